@@ -1,0 +1,111 @@
+"""End-to-end check of the demo-target scripts at a tiny scale (CPU, well under a minute).
+
+Runs scripts/prepare_stdlib_data.py (twice, to check determinism) and
+scripts/train_demo_target.py into a tmp dir, then loads the result with transformers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PREPARE = REPO / "scripts" / "prepare_stdlib_data.py"
+TRAIN = REPO / "scripts" / "train_demo_target.py"
+
+
+def _run(*args: str | Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{args[0]} failed:\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
+    return proc
+
+
+def _read(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    data_a, data_b = tmp / "data_a", tmp / "data_b"
+    _run(PREPARE, "--out", data_a, "--max-files", "20")
+    _run(PREPARE, "--out", data_b, "--max-files", "20")
+    out = tmp / "target"
+    log = tmp / "log.jsonl"
+    proc = _run(
+        TRAIN, "--data", data_a, "--out", out, "--device", "cpu",
+        "--steps", "3", "--batch-size", "2", "--seq-len", "64", "--vocab-size", "512",
+        "--eval-every", "2", "--eval-windows", "4", "--log-every", "1", "--log", log, "--no-progress",
+    )
+    return dict(data_a=data_a, data_b=data_b, out=out, log=log, stdout=proc.stdout)
+
+
+def test_split_deterministic_and_disjoint(pipeline):
+    a, b = pipeline["data_a"], pipeline["data_b"]
+    for name in ("train.jsonl.gz", "heldout.jsonl.gz"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between runs"
+    train, held = _read(a / "train.jsonl.gz"), _read(a / "heldout.jsonl.gz")
+    assert len(train) + len(held) == 20 and len(held) >= 1 and len(train) >= 1
+    tp, hp = {r["path"] for r in train}, {r["path"] for r in held}
+    assert not tp & hp
+    assert all(zlib.crc32(p.encode()) % 20 == 0 for p in hp)
+    assert all(zlib.crc32(p.encode()) % 20 != 0 for p in tp)
+    assert [r["path"] for r in train] == sorted(tp)
+    for p in tp | hp:
+        parts = p.split("/")
+        assert p.endswith(".py") and not {"test", "tests", "idle_test", "site-packages"} & set(parts)
+    assert all(r["text"] for r in train + held)
+
+
+def test_tokenizer_roundtrip(pipeline):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pipeline["out"])
+    assert tok.bos_token == tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>"
+    assert tok.bos_token_id == tok.eos_token_id == 0 and tok.pad_token_id == 1
+    assert len(tok) <= 512
+    recs = _read(pipeline["data_a"] / "train.jsonl.gz")[:3] + _read(pipeline["data_a"] / "heldout.jsonl.gz")[:1]
+    samples = [r["text"] for r in recs] + ["\tdef f( a ,b ):\r\n    return  'é☃'  \n\n\n  ", " x", "\n"]
+    for text in samples:
+        ids = tok.encode(text, verbose=False)
+        assert tok.decode(ids, clean_up_tokenization_spaces=False) == text
+
+
+def test_model_loads_and_generates(pipeline):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = pipeline["out"]
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and cfg["vocab_size"] == 512 and cfg["tie_word_embeddings"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (256, 8, 4, 2)
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    assert model.config.bos_token_id == model.config.eos_token_id == tok.eos_token_id
+    assert model.config.pad_token_id == tok.pad_token_id
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.stat().st_size for p in out.iterdir()) < 20 * 2**20
+
+    enc = tok(["def main():\n", "import os"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        gen = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert gen.shape[0] == 2 and gen.shape[1] > enc["input_ids"].shape[1]
+    assert isinstance(tok.decode(gen[0], skip_special_tokens=True), str)
+
+    lines = [json.loads(line) for line in pipeline["log"].read_text().splitlines()]
+    steps = [r for r in lines if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    assert "heldout_loss" in steps[1] and "heldout_loss" in steps[2]
+    assert lines[-1]["event"] == "done"

@@ -1,0 +1,9 @@
+"""onespec: one-model speculative decoding (EAGLE-3) in plain PyTorch."""
+from onespec.config import Eagle3Config, EngineConfig, MTPConfig
+from onespec.llm import LLM
+from onespec.outputs import CompletionOutput, RequestOutput
+from onespec.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "Eagle3Config", "MTPConfig", "EngineConfig",
+           "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""Engine and speculative-decoding configuration, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_tokens: int = 2048        # tokens per engine step (chunked prefill budget)
+    max_batch_size: int = 64          # requests per step
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_kv_blocks: int | None = None  # default: from kv_cache_memory_fraction
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.85
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check_int("max_num_tokens", self.max_num_tokens, 1)
+        _check_int("max_batch_size", self.max_batch_size, 1)
+        _check_int("max_model_len", self.max_model_len, 2, allow_none=True)
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
+        _check_int("block_size", self.block_size, 1, 4096)
+        _check_int("seed", self.seed, 0)
+        if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_memory_fraction!r}")
+
+
+@dataclass
+class Eagle3Config:
+    """One-model EAGLE-3 drafting (SPEC.md §3, §5, §7)."""
+    draft_model: str
+    max_draft_len: int = 3
+    layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default
+    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
+    max_concurrency: int | None = None                 # == {N: max_draft_len}
+    use_rejection_sampling: bool = False
+    acceptance_window: int | None = None
+    acceptance_length_threshold: float | None = None
+    force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+
+    def __post_init__(self):
+        if not isinstance(self.draft_model, str) or not self.draft_model:
+            raise ValueError("draft_model must be a path to an EAGLE-3 head directory")
+        _check_int("max_draft_len", self.max_draft_len, 0, 32)
+        if self.layers_to_capture is not None:
+            self.layers_to_capture = tuple(self.layers_to_capture)
+            if len(self.layers_to_capture) == 0 or not all(
+                    isinstance(i, int) and i >= 0 for i in self.layers_to_capture):
+                raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
+                                 f"got {self.layers_to_capture!r}")
+        if self.draft_len_schedule is not None and self.max_concurrency is not None:
+            raise ValueError("set draft_len_schedule or max_concurrency, not both")
+        if self.max_concurrency is not None:
+            _check_int("max_concurrency", self.max_concurrency, 1)
+            self.draft_len_schedule = {self.max_concurrency: self.max_draft_len}
+        if self.draft_len_schedule is not None:
+            if not isinstance(self.draft_len_schedule, dict) or not self.draft_len_schedule:
+                raise ValueError("draft_len_schedule must be a non-empty {batch_size: K} dict")
+            sched = {}
+            for bs, k in self.draft_len_schedule.items():
+                _check_int("draft_len_schedule key (batch size)", int(bs), 1)
+                _check_int("draft_len_schedule value (draft length)", k, 0, self.max_draft_len)
+                sched[int(bs)] = k
+            self.draft_len_schedule = dict(sorted(sched.items()))
+        if (self.acceptance_window is None) != (self.acceptance_length_threshold is None):
+            raise ValueError("acceptance_window and acceptance_length_threshold go together")
+        if self.acceptance_window is not None:
+            _check_int("acceptance_window", self.acceptance_window, 1)
+            if not (self.acceptance_length_threshold >= 0.0):
+                raise ValueError("acceptance_length_threshold must be >= 0, "
+                                 f"got {self.acceptance_length_threshold!r}")
+        if self.force_acceptance_length is not None:
+            a = self.force_acceptance_length
+            if not (1.0 <= a <= self.max_draft_len + 1):
+                raise ValueError("force_acceptance_length must be in "
+                                 f"[1, max_draft_len + 1 = {self.max_draft_len + 1}], got {a!r}")
+
+
+@dataclass
+class MTPConfig:
+    """DeepSeek-style MTP drafting. Declared for API stability; not implemented yet."""
+    num_nextn_predict_layers: int = 1
+    max_draft_len: int = 1
+
+    def __post_init__(self):
+        raise NotImplementedError("MTP drafting is not implemented in this version of onespec; "
+                                  "use Eagle3Config")

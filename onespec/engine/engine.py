@@ -1,0 +1,210 @@
+"""The engine: add_request, then step() = schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from onespec.config import Eagle3Config, EngineConfig
+from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.model_runner import ModelRunner
+from onespec.engine.request import Request, RequestStatus
+from onespec.engine.scheduler import Scheduler
+from onespec.engine.stats import SpecStats
+from onespec.models.eagle3 import capture_from_aux_ids, default_capture_layers
+from onespec.models.eagle3_io import load_eagle3_head
+from onespec.models.llama import DecoderConfig, LlamaForCausalLM
+from onespec.models.loader import iter_weights, load_weights, read_config
+from onespec.sampling_params import SamplingParams
+from onespec.spec.drafters import Eagle3Drafter
+from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
+from onespec.spec.worker import SpecWorker
+
+CPU_KV_BUDGET_BYTES = 4 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_target(path: str, device, dtype) -> LlamaForCausalLM:
+    cfg = DecoderConfig.from_hf(read_config(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
+        else (lambda n: n)
+    load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(path: str):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, speculative_config: Eagle3Config | None = None):
+        self.config, self.spec_config = config, speculative_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_target(config.model, self.device, self.dtype)
+        self.tokenizer = load_tokenizer(config.model)
+        mcfg = self.model.config
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings)
+        drafter = self._load_drafter(speculative_config) if speculative_config else None
+        self.drafter = drafter
+        self.max_draft_len = speculative_config.max_draft_len if drafter else 0
+        k = self.max_draft_len
+        if config.max_num_tokens < k + 1:
+            raise ValueError(f"max_num_tokens must be >= max_draft_len + 1 = {k + 1}, "
+                             f"got {config.max_num_tokens}")
+        max_positions = self.max_model_len + 2 * k + 2
+        self.model.setup_rotary(max_positions, self.device)
+        attn_layers = [layer.self_attn for layer in self.model.model.layers]
+        if drafter:
+            drafter.head.setup_rotary(max_positions, self.device)
+            attn_layers += drafter.attention_layers
+        num_blocks = self._num_kv_blocks(attn_layers, k)
+        allocate_kv_cache(attn_layers, num_blocks, config.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
+                                   self.max_model_len, drafter is not None, mcfg.eos_token_ids)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        sc = speculative_config
+        worker = SpecWorker(self.model, drafter,
+                            use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
+                            force_acceptance_length=sc.force_acceptance_length if sc else None,
+                            generator=self.generator)
+        self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
+                                  mcfg.sliding_window)
+        self.gate = SpeculationGate(sc.acceptance_window if sc else None,
+                                    sc.acceptance_length_threshold if sc else None)
+        self.stats = SpecStats(k)
+        self.draft_len_fn = self._default_draft_len
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    # ---- set-up ------------------------------------------------------------------------
+    def _load_drafter(self, sc: Eagle3Config) -> Eagle3Drafter:
+        from onespec.models.eagle3 import Eagle3HeadConfig
+        head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
+        num_layers = self.model.config.num_hidden_layers
+        if sc.layers_to_capture is not None:
+            capture = sc.layers_to_capture
+        elif head_cfg.aux_layer_ids:
+            capture = capture_from_aux_ids(head_cfg.aux_layer_ids)
+        else:
+            capture = default_capture_layers(num_layers)
+        bad = [i for i in capture if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
+                             "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
+        head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
+                                self.dtype)
+        return Eagle3Drafter(head.eval(), self.model, tuple(capture))
+
+    def _num_kv_blocks(self, attn_layers, k: int) -> int:
+        cfg = self.config
+        per_block = kv_bytes_per_block(attn_layers, cfg.block_size, self.dtype)
+        blocks_per_seq = -(-(self.max_model_len + max(k + 1, 2 * k)) // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            num = int(free * cfg.kv_cache_memory_fraction) // per_block
+        else:
+            num = min(CPU_KV_BUDGET_BYTES // per_block, blocks_per_seq * cfg.max_batch_size)
+        if num < blocks_per_seq:
+            raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
+                             f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
+                             f"blocks of {cfg.block_size}; raise num_kv_blocks or lower "
+                             "max_model_len")
+        return num
+
+    def _default_draft_len(self, batch_size: int) -> int:
+        if self.drafter is None or not self.gate.enabled:
+            return 0
+        return draft_len_for_batch(self.spec_config.draft_len_schedule, self.max_draft_len,
+                                   batch_size)
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model!r} has no tokenizer files: "
+                                 "pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"a token-id prompt must be a non-empty list of ints in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        sp = sampling_params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, so it must be at most "
+                             f"{self.max_model_len - 1}")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        gen = None if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
+        req = Request(rid, ids, sp, generator=gen)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str):
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One engine step. Returns the requests that advanced (finished ones included)."""
+        k = self.draft_len_fn(self.scheduler.num_candidates)
+        batch = self.scheduler.schedule(k)
+        if not batch.requests:
+            return []
+        out = self.runner.run(batch)
+        had_drafts = [bool(r.draft_tokens) for r in batch.generation]
+        advanced = self.scheduler.postprocess(batch, out)
+        self.stats.record_step(k, [n for n, h in zip(out.num_accepted, had_drafts) if h])
+        for req in advanced:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+                self.stats.record_request(req.metrics)
+                if req.metrics.num_draft_tokens:
+                    self.gate.record(req.metrics.acceptance_length)
+        return advanced
+
+    @property
+    def kv_pool_full(self) -> bool:
+        return self.pool.num_free_blocks == self.pool.num_blocks
+
+    def num_running(self) -> int:
+        return sum(r.status == RequestStatus.RUNNING for r in self.scheduler.running)

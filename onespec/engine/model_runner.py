@@ -1,0 +1,110 @@
+"""Packs a scheduled batch into flat device tensors, runs the spec worker, and brings the
+small results back to the host in one copy."""
+from __future__ import annotations
+
+import torch
+
+from onespec.engine.request import Request
+from onespec.engine.scheduler import ScheduledBatch, StepOutput
+from onespec.layers.attention import build_attention_metadata
+from onespec.layers.sampler import SamplingTensors
+from onespec.spec.worker import SpecWorker, StepInputs
+
+PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
+PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
+
+
+class ModelRunner:
+    def __init__(self, worker: SpecWorker, block_size: int, device, vocab_size: int,
+                 sliding_window: int | None = None):
+        self.worker = worker
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.sliding_window = sliding_window
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        inp = self.prepare(batch)
+        res = self.worker.step(inp)
+        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        flat = torch.cat([res.context_tokens, res.accepted.reshape(-1), res.num_accepted,
+                          res.drafts.reshape(-1)]).tolist()                  # one host copy
+        ctx, flat = flat[:bc], flat[bc:]
+        acc, flat = flat[:bg * (k + 1)], flat[bg * (k + 1):]
+        num_acc, flat = flat[:bg], flat[bg:]
+        kd = res.drafts.shape[1]
+        if res.draft_probs is not None:
+            for i, req in enumerate(batch.requests):
+                req.draft_probs = res.draft_probs[i]
+        return StepOutput(
+            context_tokens=ctx,
+            accepted=[acc[i * (k + 1):(i + 1) * (k + 1)] for i in range(bg)],
+            num_accepted=num_acc,
+            drafts=[flat[i * kd:(i + 1) * kd] for i in range(bc + bg)],
+        )
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        k = batch.k
+        ids, pos, shift, q_lens, kv_lens, logit_rows, ctx_last = [], [], [], [], [], [], []
+        row_params, row_gens = [], []
+        for c in batch.context:
+            tokens = c.req.token_ids
+            end = c.start + c.length
+            ids += tokens[c.start:end]
+            pos += range(c.start, end)
+            shift += tokens[c.start + 1:end] + [PLACEHOLDER if c.is_last else tokens[end]]
+            q_lens.append(c.length)
+            kv_lens.append(end)
+            ctx_last.append(len(ids) - 1)
+            logit_rows.append(len(ids) - 1)
+            row_params.append(c.req.sampling_params)
+            row_gens.append(c.req.generator)
+        gen_start = len(ids)
+        draft_rows = []
+        for req in batch.generation:
+            drafts = (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k]
+            draft_rows.append(drafts)
+            p = req.num_computed
+            logit_rows += range(len(ids), len(ids) + k + 1)
+            ids += [req.token_ids[-1]] + drafts
+            pos += range(p, p + k + 1)
+            shift += [PLACEHOLDER] * (k + 1)
+            q_lens.append(k + 1)
+            kv_lens.append(p + k + 1)
+            row_params += [req.sampling_params] * (k + 1)
+            row_gens += [req.generator] * (k + 1)
+        reqs = batch.requests
+        dev = self.device
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        width = max(len(r.block_table) for r in reqs)
+        block_tables = as_long([r.block_table + [0] * (width - len(r.block_table)) for r in reqs])
+        positions = as_long(pos)
+        max_kv = max(kv_lens)
+        meta = build_attention_metadata(block_tables, q_lens, positions, as_long(kv_lens), max_kv,
+                                        self.block_size, self.sliding_window)
+        return StepInputs(
+            input_ids=as_long(ids), positions=positions, meta=meta, block_tables=block_tables,
+            num_ctx=len(batch.context), num_gen=len(batch.generation), k=k,
+            logit_rows=as_long(logit_rows), ctx_last_rows=as_long(ctx_last), gen_start=gen_start,
+            shift_ids=as_long(shift),
+            draft_tokens=as_long(draft_rows).view(len(batch.generation), k),
+            draft_probs=self._draft_probs(batch.generation, draft_rows, k),
+            row_sampling=SamplingTensors.build(row_params, row_gens, dev),
+            req_sampling=SamplingTensors.build([r.sampling_params for r in reqs],
+                                               [r.generator for r in reqs], dev),
+            max_kv_draft=max_kv + k, block_size=self.block_size,
+        )
+
+    def _draft_probs(self, reqs: list[Request], draft_rows, k: int):
+        """q of each verified draft; drafts without one (padding) get a one-hot q."""
+        if not self.worker.use_rejection_sampling or not reqs or k == 0:
+            return None
+        out = torch.zeros(len(reqs), k, self.vocab_size, device=self.device)
+        for i, (req, drafts) in enumerate(zip(reqs, draft_rows)):
+            have = 0 if req.draft_probs is None else min(k, req.draft_probs.shape[0],
+                                                         len(req.draft_tokens))
+            if have:
+                out[i, :have] = req.draft_probs[:have]
+            for j in range(have, k):
+                out[i, j, drafts[j]] = 1.0
+        return out

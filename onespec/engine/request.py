@@ -1,0 +1,64 @@
+"""One request: its tokens, KV bookkeeping, draft tokens and statistics.
+
+Invariant between steps: `num_computed` tokens have target KV in the cache. In the context
+phase (`in_context`) chunks of token_ids[num_computed:] are fed until all are computed and
+the last chunk's logits give the next token; in the generation phase num_computed ==
+len(token_ids) - 1 and the next step feeds [token_ids[-1], *draft_tokens].
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from onespec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    target_steps: int = 0              # steps that produced tokens (last prefill chunk included)
+    num_draft_tokens: int = 0          # drafts verified
+    num_accepted_draft_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_generated_tokens / self.target_steps if self.target_steps else 0.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_computed: int = 0
+    in_context: bool = True                    # prefill (or recompute) not finished yet
+    block_table: list[int] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

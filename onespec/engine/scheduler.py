@@ -1,0 +1,195 @@
+"""Continuous batching with chunked prefill, K+1 verify slots per generation request, and
+preemption by recompute when the block pool runs dry."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from onespec.engine.kv_cache import BlockPool
+from onespec.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ContextChunk:
+    req: Request
+    start: int            # first position of the chunk
+    length: int
+    is_last: bool         # the chunk reaches the end of token_ids: its logits give a token
+
+
+@dataclass
+class ScheduledBatch:
+    context: list[ContextChunk]
+    generation: list[Request]
+    k: int                # draft length of this step
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c.req for c in self.context] + self.generation
+
+
+@dataclass
+class StepOutput:
+    """Host-side results of one step, in batch order."""
+    context_tokens: list[int]           # [Bc] token sampled at each context chunk's last row
+    accepted: list[list[int]]           # [Bg][K+1]
+    num_accepted: list[int]             # [Bg]
+    drafts: list[list[int]]             # [B][K] next draft tokens (context first)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_tokens: int, max_batch_size: int,
+                 max_model_len: int, has_drafter: bool, eos_token_ids: tuple[int, ...]):
+        self.pool = pool
+        self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
+        self.max_model_len = max_model_len
+        self.has_drafter = has_drafter
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request):
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_candidates(self) -> int:
+        return min(self.max_batch_size, len(self.running) + len(self.waiting))
+
+    # ---- slot reservations -------------------------------------------------------------
+    def _gen_slots(self, req: Request, k: int) -> int:
+        # target writes P..P+K; draft steps 1..K-1 write up to P + n - 1 + K - 1 <= P + 2K - 1
+        extra = max(k + 1, 2 * k) if self.has_drafter else k + 1
+        return req.num_computed + extra
+
+    def _ctx_slots(self, chunk_end: int, is_last: bool, k: int) -> int:
+        return chunk_end + (max(k - 1, 0) if is_last and self.has_drafter else 0)
+
+    # ---- schedule ----------------------------------------------------------------------
+    def schedule(self, k: int) -> ScheduledBatch:
+        budget = self.max_num_tokens
+        context: list[ContextChunk] = []
+        generation: list[Request] = []
+        scheduled = 0
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or scheduled >= self.max_batch_size:
+                continue
+            if req.in_context:
+                length = min(req.num_tokens - req.num_computed, budget)
+                if length <= 0:
+                    continue
+                end = req.num_computed + length
+                is_last = end == req.num_tokens
+                slots = self._ctx_slots(end, is_last, k)
+            else:
+                if budget < k + 1:
+                    continue
+                length, slots = k + 1, self._gen_slots(req, k)
+            if not self._reserve(req, slots):
+                continue
+            budget -= length
+            scheduled += 1
+            if req.in_context:
+                context.append(ContextChunk(req, req.num_computed, length, is_last))
+            else:
+                generation.append(req)
+        while self.waiting and budget > 0 and scheduled < self.max_batch_size:
+            req = self.waiting[0]
+            length = min(req.num_tokens - req.num_computed, budget)
+            end = req.num_computed + length
+            is_last = end == req.num_tokens
+            slots = self._ctx_slots(end, is_last, k)
+            if not self.pool.can_allocate(req.block_table, slots):
+                break
+            self.pool.allocate(req.block_table, slots)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            context.append(ContextChunk(req, req.num_computed, length, is_last))
+            budget -= length
+            scheduled += 1
+        return ScheduledBatch(context, generation, k)
+
+    def _reserve(self, req: Request, slots: int) -> bool:
+        """Allocates slots for req, preempting the newest running requests if needed.
+        Returns False when req itself had to be preempted."""
+        while not self.pool.can_allocate(req.block_table, slots):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self.pool.allocate(req.block_table, slots)
+        return True
+
+    def _preempt(self, req: Request):
+        self.running.remove(req)
+        self.pool.free(req.block_table)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.in_context = True
+        req.draft_tokens, req.draft_probs = [], None
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- postprocess -------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Appends accepted tokens (stops checked token by token), rewinds rejected KV by
+        moving num_computed, frees finished requests. Returns requests that advanced."""
+        advanced = []
+        ctx_tokens = iter(out.context_tokens)
+        drafts = iter(out.drafts)
+        for chunk in batch.context:
+            req, token, next_drafts = chunk.req, next(ctx_tokens), next(drafts)
+            req.num_computed = chunk.start + chunk.length
+            if not chunk.is_last:
+                continue
+            req.in_context = False
+            req.metrics.target_steps += 1
+            self._append(req, [token])
+            req.draft_tokens = next_drafts
+            advanced.append(req)
+        for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
+            next_drafts = next(drafts)
+            if batch.k > 0 and req.draft_tokens:
+                req.metrics.num_draft_tokens += batch.k
+                req.metrics.num_accepted_draft_tokens += n - 1
+            req.metrics.target_steps += 1
+            req.num_computed += n             # KV past the accepted prefix is rewound
+            self._append(req, accepted[:n])
+            req.draft_tokens = next_drafts
+            advanced.append(req)
+        for req in advanced:
+            if req.is_finished:
+                self._release(req)
+        return advanced
+
+    def _append(self, req: Request, tokens: list[int]):
+        sp = req.sampling_params
+        for t in tokens:
+            req.output_token_ids.append(t)
+            req.metrics.num_generated_tokens += 1
+            if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_ids:
+                return self._finish(req, "stop")
+            if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+                return self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str):
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def _release(self, req: Request):
+        if req in self.running:
+            self.running.remove(req)
+        self.pool.free(req.block_table)
+        req.draft_tokens, req.draft_probs = [], None
+
+    def abort(self, req: Request):
+        if req.is_finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        self._release(req)

@@ -1,0 +1,59 @@
+"""LLM: the user-facing facade over the engine (vLLM-style)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from onespec.config import Eagle3Config, EngineConfig
+from onespec.engine.engine import Engine
+from onespec.engine.request import Request
+from onespec.outputs import CompletionOutput, RequestOutput
+from onespec.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, speculative_config: Eagle3Config | None = None, **kwargs):
+        unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown LLM arguments {sorted(unknown)}; allowed: "
+                            f"{sorted(set(EngineConfig.__dataclass_fields__) - {'model'})}")
+        self.engine = Engine(EngineConfig(model=model, **kwargs), speculative_config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        for p in prompts:          # validate every prompt before any request is queued
+            self.engine.tokenize(p)
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            with tqdm(total=len(reqs), desc="generating", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    done = sum(r.is_finished for r in self.engine.step())
+                    bar.update(done)
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+        return [self.to_output(r, p if isinstance(p, str) else None)
+                for r, p in zip(reqs, prompts)]
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def to_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
+        out = CompletionOutput(0, self.decode(req.output_token_ids), list(req.output_token_ids),
+                               req.finish_reason)
+        return RequestOutput(req.request_id, prompt, list(req.prompt_token_ids), [out],
+                             req.is_finished, req.metrics)
+
+    def stats(self) -> dict:
+        return self.engine.stats.as_dict()

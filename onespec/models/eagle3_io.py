@@ -1,0 +1,127 @@
+"""Reading and writing EAGLE-3 heads in the SafeAILab and speculators formats (SPEC.md §5)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig
+from onespec.models.llama import DecoderConfig
+from onespec.models.loader import iter_weights, load_weights, read_config
+
+VOCAB_MAPS = ("d2t", "t2d")
+
+
+def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device,
+                     dtype) -> Eagle3Head:
+    cfg = Eagle3HeadConfig.from_hf(read_config(path))
+    what = f"EAGLE-3 head {path!r}"
+    if cfg.target_hidden_size != target.hidden_size:
+        raise ValueError(f"{what} was trained for target hidden size {cfg.target_hidden_size}, "
+                         f"but the target has hidden_size {target.hidden_size}")
+    if cfg.target_vocab_size != target.vocab_size:
+        raise ValueError(f"{what} has vocab_size {cfg.target_vocab_size}, but the target has "
+                         f"vocab_size {target.vocab_size}")
+    weights = dict(iter_weights(path, desc="loading draft head"))
+    prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
+    if not any(k.startswith(prefix) for k in weights):
+        raise ValueError(f"{what}: config says {cfg.fmt} format but no '{prefix}*' weights found")
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, num_captured)
+    has_embed = "embed_tokens.weight" in weights
+    if has_embed:
+        with torch.device("meta"):
+            head.embed_tokens = torch.nn.Embedding(cfg.target_vocab_size,
+                                                   cfg.decoder.hidden_size)
+    head.to_empty(device="cpu")
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.shape[1] != num_captured * target.hidden_size:
+        raise ValueError(f"{what}: fc.weight has shape {tuple(fc.shape)}, expected "
+                         f"[{cfg.decoder.hidden_size}, {num_captured * target.hidden_size}] "
+                         f"({num_captured} captured layers x target hidden size)")
+    maps = {k: weights.pop(k) for k in VOCAB_MAPS if k in weights}
+    if head.d2t is not None:
+        if "d2t" not in maps:
+            raise ValueError(f"{what}: draft_vocab_size {cfg.draft_vocab_size} != vocab_size "
+                             f"{cfg.target_vocab_size} but the checkpoint has no 'd2t'")
+        if maps["d2t"].shape != head.d2t.shape:
+            raise ValueError(f"{what}: weight 'd2t' has shape {tuple(maps['d2t'].shape)}, "
+                             f"expected {tuple(head.d2t.shape)}")
+        head.d2t.copy_(maps["d2t"].long())
+        if "t2d" in maps:
+            head.t2d.copy_(maps["t2d"].bool())
+    rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n)
+    load_weights(head, weights.items(), rename=rename, what=what)
+    return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
+
+
+def _hf_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:
+    """Unpacks qkv/gate_up and renames onespec parameters to checkpoint keys."""
+    out = {}
+    for name, t in head.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        if ".qkv_proj." in name:
+            attn = head.get_submodule(name.split(".qkv_proj.")[0])
+            parts = t.split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[name.replace("qkv_proj", proj)] = part.contiguous()
+        elif ".gate_up_proj." in name:
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        else:
+            out[name] = t
+    if fmt == "safeailab":
+        out = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+               for k, v in out.items()}
+    return out
+
+
+def head_config_dict(cfg: Eagle3HeadConfig, fmt: str, speculative_tokens: int = 3) -> dict:
+    d = cfg.decoder
+    layer = {
+        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+        "num_attention_heads": d.num_attention_heads,
+        "num_key_value_heads": d.num_key_value_heads, "head_dim": d.head_dim,
+        "num_hidden_layers": cfg.num_layers, "rms_norm_eps": d.rms_norm_eps,
+        "rope_theta": d.rope_theta, "max_position_embeddings": d.max_position_embeddings,
+        "vocab_size": cfg.target_vocab_size, "hidden_act": "silu",
+    }
+    if d.rope_scaling.get("rope_type", "default") != "default":
+        layer["rope_scaling"] = d.rope_scaling
+    aux = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else None
+    if fmt == "safeailab":
+        out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **layer,
+               "draft_vocab_size": cfg.draft_vocab_size,
+               "target_hidden_size": cfg.target_hidden_size}
+        if aux:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+        return out
+    if fmt == "speculators":
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": {"architectures": ["LlamaForCausalLM"],
+                                         "model_type": "llama", **layer},
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "norm_before_residual": cfg.norm_before_residual,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": aux,
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}]},
+        }
+    raise ValueError(f"format must be 'safeailab' or 'speculators', got {fmt!r}")
+
+
+def save_eagle3_head(head: Eagle3Head, path: str, fmt: str = "safeailab",
+                     speculative_tokens: int = 3, dtype=None):
+    """Writes config.json + model.safetensors the way published heads are laid out."""
+    cfg_dict = head_config_dict(head.config, fmt, speculative_tokens)
+    state = _hf_state_dict(head, fmt)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg_dict, f, indent=2)
+    save_file(state, os.path.join(path, "model.safetensors"))

@@ -1,0 +1,176 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over the paged KV cache.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are packed
+(`qkv_proj`, `gate_up_proj`); models/loader.py maps checkpoint names onto them.
+The residual stream after chosen layers can be captured for EAGLE-3 (SPEC.md §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from onespec.layers.attention import AttentionMetadata, paged_attention
+from onespec.layers.norm import RMSNorm
+from onespec.layers.rotary import RotaryEmbedding, rope_settings
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MistralForCausalLM")
+
+
+@dataclass
+class DecoderConfig:
+    """The fields of a Hugging Face config.json that the decoder needs."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict
+    max_position_embeddings: int
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs!r}; supported: {ARCHITECTURES}")
+        try:
+            hidden = cfg["hidden_size"]
+            heads = cfg["num_attention_heads"]
+            theta, scaling = rope_settings(cfg)
+            window = None
+            if arch == "MistralForCausalLM":
+                window = cfg.get("sliding_window")
+            elif cfg.get("use_sliding_window"):
+                raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+            eos = cfg.get("eos_token_id")
+            eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+            return cls(
+                architecture=arch,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or hidden // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+                mlp_bias=cfg.get("mlp_bias", False),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                sliding_window=window,
+                eos_token_ids=eos,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, input_size: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, h, positions, rotary, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> (final-normed hidden [T, H],
+    captured residual streams [T, len(capture)·H] or None)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding | None = None
+
+    def setup_rotary(self, max_positions: int, device):
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling, device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                capture: tuple[int, ...] = ()):
+        h = self.model.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, positions, self.rotary, meta)
+            if i in capture:
+                captured.append(h)
+        captured = torch.cat(captured, dim=-1) if captured else None
+        return self.model.norm(h), captured
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden).float()                                  # [N, V]

@@ -1,0 +1,48 @@
+"""Drafters: one class per method behind one small interface used by the spec worker.
+
+    capture_layers                      target layers whose residual stream the drafter reads
+    attention_layers                    its KV layers (extra layers of the same block pool)
+    initial_hidden(captured, final)     step-0 hidden input           -> [T, H]
+    forward(ids, positions, h, meta)    one draft layer pass, writes draft KV -> pre-norm [T, H]
+    compute_logits(h)                   draft-vocab logits            -> [N, Vd]
+    to_target_ids(ids)                  draft ids -> target ids
+"""
+from __future__ import annotations
+
+import torch
+
+from onespec.models.eagle3 import Eagle3Head
+from onespec.models.llama import LlamaForCausalLM
+
+
+class Eagle3Drafter:
+    def __init__(self, head: Eagle3Head, target: LlamaForCausalLM,
+                 capture_layers: tuple[int, ...]):
+        self.head, self.target = head, target
+        self.capture_layers = capture_layers
+        self.embed = head.embed_tokens if head.embed_tokens is not None \
+            else target.model.embed_tokens
+
+    @property
+    def attention_layers(self):
+        return [layer.self_attn for layer in self.head.layers]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.head.config.draft_vocab_size
+
+    def initial_hidden(self, captured, final_hidden):
+        return self.head.fc(captured)                                       # [T, H]
+
+    def forward(self, input_ids, positions, hidden, meta):
+        return self.head(self.embed(input_ids), hidden, positions, meta)    # [T, H]
+
+    def compute_logits(self, hidden):
+        return self.head.compute_logits(hidden)                             # [N, Vd]
+
+    def to_target_ids(self, draft_ids):
+        return self.head.to_target_ids(draft_ids)
+
+    def draft_vocab_target_ids(self) -> torch.Tensor:
+        ids = torch.arange(self.draft_vocab_size, device=self.head.lm_head.weight.device)
+        return self.to_target_ids(ids)                                      # [Vd]

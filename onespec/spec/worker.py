@@ -1,0 +1,131 @@
+"""The one-model speculative step (SPEC.md §1, §3, §4): target verify -> accept -> draft loop.
+
+A batch holds Bc context chunks (rows first) and Bg generation requests of K+1 rows each.
+All work stays on the device; the caller copies the small results to the host once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onespec.layers.attention import AttentionMetadata, build_attention_metadata
+from onespec.layers.sampler import SamplingTensors, probs_from_logits, sample, sample_from_probs
+from onespec.spec.acceptance import forced_num_accepted, rejection_accept, strict_accept
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # [T]
+    positions: torch.Tensor          # [T]
+    meta: AttentionMetadata
+    block_tables: torch.Tensor       # [B, nb]
+    num_ctx: int
+    num_gen: int
+    k: int
+    logit_rows: torch.Tensor         # [Bc + Bg·(K+1)] rows whose logits are needed
+    ctx_last_rows: torch.Tensor      # [Bc] last row of each context chunk
+    gen_start: int                   # first generation row (= context rows)
+    shift_ids: torch.Tensor          # [T] step-0 draft inputs: x(p+1) where known already
+    draft_tokens: torch.Tensor       # [Bg, K] drafts being verified
+    draft_probs: torch.Tensor | None  # [Bg, K, V] q of those drafts (rejection sampling)
+    row_sampling: SamplingTensors    # per logit row
+    req_sampling: SamplingTensors    # per request (context first)
+    max_kv_draft: int                # host bound on draft-step key lengths
+    block_size: int
+
+
+@dataclass
+class StepResults:
+    context_tokens: torch.Tensor     # [Bc]
+    accepted: torch.Tensor           # [Bg, K+1]
+    num_accepted: torch.Tensor       # [Bg]
+    drafts: torch.Tensor             # [B, K] target ids
+    draft_probs: torch.Tensor | None  # [B, K, V] in target-vocab space (rejection sampling)
+
+
+class SpecWorker:
+    def __init__(self, target, drafter=None, use_rejection_sampling: bool = False,
+                 force_acceptance_length: float | None = None, generator=None):
+        self.target, self.drafter = target, drafter
+        self.use_rejection_sampling = use_rejection_sampling
+        self.force_acceptance_length = force_acceptance_length
+        self.generator = generator           # for rows of unseeded requests
+        self.num_steps = 0
+        self._vocab_ids = drafter.draft_vocab_target_ids() if drafter else None
+
+    @torch.inference_mode()
+    def step(self, inp: StepInputs) -> StepResults:
+        capture = self.drafter.capture_layers if self.drafter else ()
+        hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
+        logits = self.target.compute_logits(hidden[inp.logit_rows])          # [R, V]
+        context_tokens, accepted, num_accepted = self._accept(inp, logits)
+        drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
+                                            num_accepted)
+        self.num_steps += 1
+        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs)
+
+    # ---- acceptance --------------------------------------------------------------------
+    def _accept(self, inp: StepInputs, logits):
+        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        st = inp.row_sampling
+        if self.use_rejection_sampling and bg and k:
+            probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
+            tokens = sample_from_probs(probs[:bc], st.generators[:bc], self.generator)
+            target_probs = probs[bc:].view(bg, k + 1, -1)
+            accepted, num_accepted = rejection_accept(
+                inp.draft_tokens, inp.draft_probs, target_probs,
+                inp.req_sampling.generators[bc:], self.generator)
+        else:
+            sampled = sample(logits, st, self.generator)                             # [R]
+            tokens = sampled[:bc]
+            accepted, num_accepted = strict_accept(inp.draft_tokens,
+                                                   sampled[bc:].view(bg, k + 1))
+        if self.force_acceptance_length is not None and bg:
+            num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
+                                               self.num_steps, logits.device)
+        return tokens, accepted, num_accepted
+
+    # ---- draft loop --------------------------------------------------------------------
+    def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
+                 num_accepted):
+        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        device = inp.input_ids.device
+        empty = torch.empty(bc + bg, 0, dtype=torch.int64, device=device)
+        if self.drafter is None:
+            return empty, None
+        # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
+        ids = inp.shift_ids.clone()
+        ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
+                                             ids[inp.ctx_last_rows])
+        ids[inp.gen_start:] = accepted.reshape(-1)
+        h = self.drafter.initial_hidden(captured, hidden)
+        h = self.drafter.forward(ids, inp.positions, h, inp.meta)              # [T, H]
+        if k == 0:
+            return empty, None
+        gen_last = (inp.gen_start + torch.arange(bg, device=device) * (k + 1)
+                    + num_accepted - 1)
+        rows = torch.cat([inp.ctx_last_rows, gen_last])                      # [B]
+        h, pos = h[rows], inp.positions[rows]
+        drafts, probs = [], []
+        for step in range(k):
+            if step > 0:
+                pos = pos + 1
+                meta = build_attention_metadata(inp.block_tables, [1] * len(pos), pos, pos + 1,
+                                                inp.max_kv_draft, inp.block_size)
+                h = self.drafter.forward(drafts[-1], pos, h, meta)
+            token, q = self._pick(self.drafter.compute_logits(h), inp.req_sampling)
+            drafts.append(token)
+            probs.append(q)
+        draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
+        return torch.stack(drafts, 1), draft_probs                           # [B, K]
+
+    def _pick(self, draft_logits, st: SamplingTensors):
+        """Draft token per request: argmax, or a sample from q with rejection sampling."""
+        if not self.use_rejection_sampling:
+            return self.drafter.to_target_ids(draft_logits.argmax(-1)), None
+        q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]
+        token = self.drafter.to_target_ids(sample_from_probs(q, st.generators, self.generator))
+        q_target = q.new_zeros(q.shape[0], self.target.config.vocab_size)
+        q_target[:, self._vocab_ids] = q
+        return token, q_target                                               # [B], [B, V]

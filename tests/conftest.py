@@ -1,0 +1,58 @@
+"""Tiny random-weight Hugging Face checkpoints built by the tests themselves."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3-rope-tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+}
+
+
+def make_hf_model(path, arch: str = "llama", num_layers: int = 4, vocab_size: int = 128,
+                  hidden_size: int = 64, seed: int = 0, **overrides):
+    import transformers
+    cfg_name, model_name, extra = ARCH_CONFIGS[arch]
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size + 16,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **{**extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).float().eval()
+    with torch.no_grad():           # larger-than-default weights: sharper, less tied logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{arch: (path, hf_model)} for every supported architecture."""
+    out = {}
+    for arch in ARCH_CONFIGS:
+        path = tmp_path_factory.mktemp(arch)
+        out[arch] = (str(path), make_hf_model(path, arch))
+    return out
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_pool_full(llm):
+    eng = llm.engine
+    assert not eng.has_unfinished()
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks

@@ -56,3 +56,43 @@ def assert_pool_full(llm):
     eng = llm.engine
     assert not eng.has_unfinished()
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def make_eagle3_head(path, target_model, fmt: str = "safeailab", draft_vocab_size=None,
+                     seed: int = 1, aux_layer_ids=None, norm_before_residual: bool = False,
+                     own_embedding: bool = False, num_layers: int = 1):
+    """A random EAGLE-3 head for `target_model` (an HF model), written in `fmt`."""
+    from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig, make_vocab_maps
+    from onespec.models.eagle3_io import head_config_dict, save_eagle3_head
+    tc = target_model.config
+    vocab = tc.vocab_size
+    draft_vocab = draft_vocab_size or vocab
+    layer = dict(architectures=["LlamaForCausalLMEagle3"], hidden_size=tc.hidden_size,
+                 intermediate_size=tc.intermediate_size, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=num_layers, rms_norm_eps=1e-6,
+                 vocab_size=vocab, draft_vocab_size=draft_vocab, max_position_embeddings=256,
+                 rope_theta=10000.0)
+    if aux_layer_ids:
+        layer["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    cfg = Eagle3HeadConfig.from_hf(layer)
+    cfg.norm_before_residual = norm_before_residual
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            else:
+                p.normal_(1.0, 0.1)
+        if own_embedding:
+            head.embed_tokens = torch.nn.Embedding(vocab, tc.hidden_size)
+            head.embed_tokens.weight.normal_(0, 0.5)
+        if draft_vocab != vocab:
+            g = torch.Generator().manual_seed(seed)
+            chosen = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
+            d2t, t2d = make_vocab_maps(chosen, vocab)
+            head.d2t.copy_(d2t)
+            head.t2d.copy_(t2d)
+    save_eagle3_head(head, str(path), fmt)
+    assert head_config_dict(cfg, fmt)
+    return head

@@ -164,12 +164,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 capture: tuple[int, ...] = ()):
         h = self.model.embed_tokens(input_ids)
-        captured = []
+        saved = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, positions, self.rotary, meta)
             if i in capture:
-                captured.append(h)
-        captured = torch.cat(captured, dim=-1) if captured else None
+                saved[i] = h
+        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden):

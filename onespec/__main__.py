@@ -1,0 +1,5 @@
+import sys
+
+from onespec.cli import main
+
+sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None, allow_none: bool = False):
@@ -29,6 +30,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.85
     seed: int = 0
+    load_format: str = "auto"          # "dummy": random weights from config.json (benchmarks)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -39,6 +41,8 @@ class EngineConfig:
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("seed", self.seed, 0)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")

@@ -15,7 +15,7 @@ from onespec.engine.stats import SpecStats
 from onespec.models.eagle3 import capture_from_aux_ids, default_capture_layers
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.llama import DecoderConfig, LlamaForCausalLM
-from onespec.models.loader import iter_weights, load_weights, read_config
+from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
 from onespec.sampling_params import SamplingParams
 from onespec.spec.drafters import Eagle3Drafter
 from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
@@ -39,13 +39,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_target(path: str, device, dtype) -> LlamaForCausalLM:
+def load_target(path: str, device, dtype, dummy: bool = False) -> LlamaForCausalLM:
     cfg = DecoderConfig.from_hf(read_config(path))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if dummy:
+        init_dummy_weights(model)
+        return model.to(dtype=dtype).eval()
     rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
         else (lambda n: n)
     load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
@@ -65,7 +68,8 @@ class Engine:
         self.config, self.spec_config = config, speculative_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_target(config.model, self.device, self.dtype)
+        dummy = config.load_format == "dummy"
+        self.model = load_target(config.model, self.device, self.dtype, dummy)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
@@ -119,7 +123,7 @@ class Engine:
             raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
         head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
-                                self.dtype)
+                                self.dtype, dummy=self.config.load_format == "dummy")
         return Eagle3Drafter(head.eval(), self.model, tuple(capture))
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:

@@ -7,15 +7,15 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig
+from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig, make_vocab_maps
 from onespec.models.llama import DecoderConfig
-from onespec.models.loader import iter_weights, load_weights, read_config
+from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
 
 VOCAB_MAPS = ("d2t", "t2d")
 
 
 def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device,
-                     dtype) -> Eagle3Head:
+                     dtype, dummy: bool = False) -> Eagle3Head:
     cfg = Eagle3HeadConfig.from_hf(read_config(path))
     what = f"EAGLE-3 head {path!r}"
     if cfg.target_hidden_size != target.hidden_size:
@@ -24,6 +24,8 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     if cfg.target_vocab_size != target.vocab_size:
         raise ValueError(f"{what} has vocab_size {cfg.target_vocab_size}, but the target has "
                          f"vocab_size {target.vocab_size}")
+    if dummy:
+        return _dummy_head(cfg, num_captured, device, dtype)
     weights = dict(iter_weights(path, desc="loading draft head"))
     prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
     if not any(k.startswith(prefix) for k in weights):
@@ -55,6 +57,21 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n)
     load_weights(head, weights.items(), rename=rename, what=what)
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
+
+
+def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype) -> Eagle3Head:
+    """Random weights of the head's shape (benchmarks); a random sorted draft vocabulary."""
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, num_captured)
+    head.to_empty(device=device)
+    init_dummy_weights(head)
+    if head.d2t is not None:
+        gen = torch.Generator().manual_seed(0)
+        chosen = torch.randperm(cfg.target_vocab_size, generator=gen)[:cfg.draft_vocab_size]
+        d2t, t2d = make_vocab_maps(chosen.sort().values, cfg.target_vocab_size)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    return head.to(dtype=dtype)
 
 
 def _hf_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:

@@ -121,3 +121,14 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
     if missing:
         raise ValueError(f"{what}: missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unexpected
+
+
+@torch.no_grad()
+def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float = 0.02):
+    """Random weights in place (load_format="dummy"): matrices ~ N(0, std), norms ~ 1."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for p in module.parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        else:
+            p.fill_(1.0)

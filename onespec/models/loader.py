@@ -81,6 +81,14 @@ def _packed_target(module: torch.nn.Module, name: str):
     return name, None, None
 
 
+def _checkpoint_names(param_name: str) -> list[str]:
+    """The checkpoint keys that feed a parameter: '...qkv_proj.weight' <- q/k/v_proj."""
+    parts = param_name.split(".")
+    shards = [s for s, (packed, _) in PACKED_MODULES.items()
+              if len(parts) > 1 and packed == parts[-2]]
+    return [".".join(parts[:-2] + [s, parts[-1]]) for s in shards] or [param_name]
+
+
 def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: bool = True,
                  what: str = "checkpoint"):
     """Copies (name, tensor) pairs into module's parameters. Checks every shape, names the
@@ -107,17 +115,12 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
             raise ValueError(f"{what}: weight {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
         dest.copy_(tensor)
-        loaded.add((param_name, offset))
+        loaded.add(name)
     if strict and unexpected:
         raise ValueError(f"{what}: unexpected weights {sorted(unexpected)[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
-    shards = {"qkv_proj": 3, "gate_up_proj": 2}
-    missing = []
-    for pname in params:
-        packed = pname.split(".")[-2]
-        num_loaded = sum(1 for p, _ in loaded if p == pname)
-        if num_loaded < shards.get(packed, 1):
-            missing.append(pname)
+    missing = [n for pname in params if pname not in loaded
+               for n in _checkpoint_names(pname) if n not in loaded]
     if missing:
         raise ValueError(f"{what}: missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unexpected

@@ -31,8 +31,10 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         for p in prompts:          # validate every prompt before any request is queued
             self.engine.tokenize(p)
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = []
         try:
+            for p, sp in zip(prompts, params):    # add_request may still reject (length)
+                reqs.append(self.engine.add_request(p, sp))
             with tqdm(total=len(reqs), desc="generating", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
                     done = sum(r.is_finished for r in self.engine.step())

@@ -156,7 +156,10 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer files: "
                                  "pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError(f"the prompt is empty: {prompt!r} encodes to no tokens")
+            return ids
         ids = list(prompt)
         vocab = self.model.config.vocab_size
         if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):

@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85
     seed: int = 0
     load_format: str = "auto"          # "dummy": random weights from config.json (benchmarks)
+    attention_backend: str = "auto"    # "torch" | "triton"; auto = triton on CUDA
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -43,6 +44,9 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
+                             f"got {self.attention_backend!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")

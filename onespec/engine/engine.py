@@ -97,7 +97,8 @@ class Engine:
         worker = SpecWorker(self.model, drafter,
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
-                            generator=self.generator)
+                            generator=self.generator,
+                            attn_backend=self._attention_backend())
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window)
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
@@ -143,6 +144,14 @@ class Engine:
                              f"blocks of {cfg.block_size}; raise num_kv_blocks or lower "
                              "max_model_len")
         return num
+
+    def _attention_backend(self) -> str:
+        backend = self.config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton" and self.device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
+        return backend
 
     def _default_draft_len(self, batch_size: int) -> int:
         if self.drafter is None or not self.gate.enabled:

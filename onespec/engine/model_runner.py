@@ -33,19 +33,24 @@ class ModelRunner:
         acc, flat = flat[:bg * (k + 1)], flat[bg * (k + 1):]
         num_acc, flat = flat[:bg], flat[bg:]
         kd = res.drafts.shape[1]
-        if res.draft_probs is not None:
-            for i, req in enumerate(batch.requests):
-                req.draft_probs = res.draft_probs[i]
+        drafts: list[list[int]] = [[] for _ in range(bc + bg)]
+        drafting = [i for i, c in enumerate(batch.context) if c.is_last] + \
+            list(range(bc, bc + bg))
+        for row, i in enumerate(drafting if kd else []):
+            drafts[i] = flat[row * kd:(row + 1) * kd]
+            if res.draft_probs is not None:
+                batch.requests[i].draft_probs = res.draft_probs[row]
         return StepOutput(
             context_tokens=ctx,
             accepted=[acc[i * (k + 1):(i + 1) * (k + 1)] for i in range(bg)],
             num_accepted=num_acc,
-            drafts=[flat[i * kd:(i + 1) * kd] for i in range(bc + bg)],
+            drafts=drafts,
         )
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k
-        ids, pos, shift, q_lens, kv_lens, logit_rows, ctx_last = [], [], [], [], [], [], []
+        ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
+        draft_ctx_rows, draft_reqs = [], []
         row_params, row_gens = [], []
         for c in batch.context:
             tokens = c.req.token_ids
@@ -54,8 +59,10 @@ class ModelRunner:
             pos += range(c.start, end)
             shift += tokens[c.start + 1:end] + [PLACEHOLDER if c.is_last else tokens[end]]
             q_lens.append(c.length)
-            kv_lens.append(end)
             ctx_last.append(len(ids) - 1)
+            if c.is_last:
+                draft_ctx_rows.append(len(ids) - 1)
+                draft_reqs.append(len(q_lens) - 1)
             logit_rows.append(len(ids) - 1)
             row_params.append(c.req.sampling_params)
             row_gens.append(c.req.generator)
@@ -70,30 +77,35 @@ class ModelRunner:
             pos += range(p, p + k + 1)
             shift += [PLACEHOLDER] * (k + 1)
             q_lens.append(k + 1)
-            kv_lens.append(p + k + 1)
             row_params += [req.sampling_params] * (k + 1)
             row_gens += [req.generator] * (k + 1)
         reqs = batch.requests
+        draft_reqs += range(len(batch.context), len(reqs))
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
         width = max(len(r.block_table) for r in reqs)
         block_tables = as_long([r.block_table + [0] * (width - len(r.block_table)) for r in reqs])
         positions = as_long(pos)
-        max_kv = max(kv_lens)
-        meta = build_attention_metadata(block_tables, q_lens, positions, as_long(kv_lens), max_kv,
-                                        self.block_size, self.sliding_window)
+        max_kv = max(pos) + 1
+        meta = build_attention_metadata(block_tables, q_lens, positions, self.block_size, max_kv,
+                                        self.sliding_window, self.worker.attn_backend)
         return StepInputs(
             input_ids=as_long(ids), positions=positions, meta=meta, block_tables=block_tables,
             num_ctx=len(batch.context), num_gen=len(batch.generation), k=k,
             logit_rows=as_long(logit_rows), ctx_last_rows=as_long(ctx_last), gen_start=gen_start,
+            draft_ctx_rows=as_long(draft_ctx_rows), draft_reqs=as_long(draft_reqs),
             shift_ids=as_long(shift),
             draft_tokens=as_long(draft_rows).view(len(batch.generation), k),
             draft_probs=self._draft_probs(batch.generation, draft_rows, k),
             row_sampling=SamplingTensors.build(row_params, row_gens, dev),
-            req_sampling=SamplingTensors.build([r.sampling_params for r in reqs],
-                                               [r.generator for r in reqs], dev),
+            gen_sampling=self._sampling(batch.generation),
+            draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
             max_kv_draft=max_kv + k, block_size=self.block_size,
         )
+
+    def _sampling(self, reqs: list[Request]) -> SamplingTensors:
+        return SamplingTensors.build([r.sampling_params for r in reqs],
+                                     [r.generator for r in reqs], self.device)
 
     def _draft_probs(self, reqs: list[Request], draft_rows, k: int):
         """q of each verified draft; drafts without one (padding) get a one-hot q."""

@@ -1,9 +1,12 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, with two backends sharing one metadata object.
 
-The portable path (CPU and CUDA) gathers each request's keys/values through its block table
-into a padded [B, KVmax] view and runs SDPA with an explicit mask, so one forward can mix
-prefill chunks, multi-token verify rows and single-token draft rows. The mask lets query row
-at position p see cache positions j <= p (and j > p - window with a sliding window).
+- "torch" (portable: CPU and CUDA, the reference in tests): gathers each request's keys and
+  values through its block table into a padded [B, KVmax] view and runs SDPA with a mask.
+- "triton" (CUDA): layers/triton_attention.py reads the block pool directly; its metadata
+  is built on the device, so a step can be captured in a CUDA graph.
+
+Either way a query row at position p sees cache positions j <= p (and j > p - window with a
+sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft rows.
 """
 from __future__ import annotations
 
@@ -12,61 +15,75 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+BACKENDS = ("torch", "triton")
+
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor   # [T] int64: cache slot each new row writes
-    token_req: torch.Tensor      # [T] int64: request index of each row
-    token_idx: torch.Tensor      # [T] int64: row index inside its request
-    kv_slots: torch.Tensor       # [B, KVmax] int64: cache slot of each key position
-    mask: torch.Tensor           # [B, 1, Qmax, KVmax] bool: True = attend
-    num_reqs: int
-    max_q: int
+    slot_mapping: torch.Tensor          # [T] cache slot each new row writes
+    token_req: torch.Tensor             # [T] request index of each row
+    positions: torch.Tensor             # [T]
+    block_tables: torch.Tensor          # [B, nb]
+    block_size: int
+    sliding_window: int | None
+    # torch backend only
+    token_idx: torch.Tensor | None = None   # [T] row index inside its request
+    kv_slots: torch.Tensor | None = None    # [B, KVmax] cache slot of each key position
+    mask: torch.Tensor | None = None        # [B, 1, Qmax, KVmax] True = attend
+    max_q: int = 0
 
 
-def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int],
-                             positions: torch.Tensor, kv_lens: torch.Tensor, max_kv: int,
-                             block_size: int, sliding_window: int | None = None
+def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int,
+                             positions: torch.Tensor, block_size: int, max_kv: int = 0,
+                             sliding_window: int | None = None, backend: str = "torch"
                              ) -> AttentionMetadata:
-    """block_tables [B, nb] int64 (device); q_lens: rows per request (host); positions [T]
-    (device); kv_lens [B] (device): keys visible to each request after this step's writes;
-    max_kv: a host-side upper bound on kv_lens."""
+    """block_tables [B, nb] (device); q_lens: rows per request (host list), or one int when
+    every request has the same number of rows (then nothing is built on the host);
+    positions [T] (device); max_kv: host bound on positions + 1 (torch backend)."""
     device = positions.device
-    num_reqs = len(q_lens)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    token_req = torch.repeat_interleave(torch.arange(num_reqs), q_lens_t)
-    starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-    token_idx = torch.arange(int(q_lens_t.sum())) - starts[token_req]
-    token_req, token_idx = token_req.to(device), token_idx.to(device)
-    max_q = max(q_lens)
-
+    num_rows = positions.shape[0]
+    if isinstance(q_lens, int):
+        rows = torch.arange(num_rows, device=device)
+        token_req, token_idx, max_q = rows // q_lens, rows % q_lens, q_lens
+    else:
+        lens = torch.tensor(q_lens, dtype=torch.int64)
+        req = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
+        idx = torch.arange(num_rows) - (torch.cumsum(lens, 0) - lens)[req]
+        token_req, token_idx, max_q = req.to(device), idx.to(device), max(q_lens)
+    slot_mapping = (block_tables[token_req, positions // block_size] * block_size
+                    + positions % block_size)                               # [T]
+    meta = AttentionMetadata(slot_mapping, token_req, positions, block_tables, block_size,
+                             sliding_window)
+    if backend == "triton":
+        return meta
     kv_pos = torch.arange(max_kv, device=device)                             # [KVmax]
-    num_blocks_needed = (max_kv + block_size - 1) // block_size
-    tables = block_tables
-    if tables.shape[1] < num_blocks_needed:
-        tables = F.pad(tables, (0, num_blocks_needed - tables.shape[1]))
-    kv_slots = tables[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [B, KVmax]
-    slot_mapping = kv_slots[token_req, positions]                            # [T]
-
-    q_pos = torch.full((num_reqs, max_q), -1, dtype=torch.int64, device=device)
+    need = -(-max_kv // block_size)
+    tables = block_tables if block_tables.shape[1] >= need else \
+        F.pad(block_tables, (0, need - block_tables.shape[1]))
+    meta.kv_slots = tables[:, kv_pos // block_size] * block_size + kv_pos % block_size
+    q_pos = torch.full((block_tables.shape[0], max_q), -1, dtype=torch.int64, device=device)
     q_pos[token_req, token_idx] = positions                                  # [B, Qmax]
-    key = kv_pos.view(1, 1, -1)
-    qp = q_pos.unsqueeze(-1)
-    mask = (key <= qp) & (key < kv_lens.view(-1, 1, 1))
+    key, qp = kv_pos.view(1, 1, -1), q_pos.unsqueeze(-1)
+    mask = key <= qp
     if sliding_window is not None:
         mask &= key > qp - sliding_window
     mask |= (qp < 0) & (key == 0)           # padding rows see one key: no NaN rows
-    return AttentionMetadata(slot_mapping, token_req, token_idx, kv_slots, mask.unsqueeze(1),
-                             num_reqs, max_q)
+    meta.token_idx, meta.mask, meta.max_q = token_idx, mask.unsqueeze(1), max_q
+    return meta
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q [T, Hq, D], k/v [T, Hkv, D]; k_cache/v_cache [num_slots, Hkv, D]. Returns [T, Hq, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.kv_slots is None:
+        from onespec.layers.triton_attention import triton_paged_attention
+        return triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_req,
+                                      meta.positions, scale, meta.block_size,
+                                      meta.sliding_window)
     keys = k_cache[meta.kv_slots].transpose(1, 2)                            # [B, Hkv, KV, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)
-    queries = q.new_zeros(meta.num_reqs, meta.max_q, q.shape[1], q.shape[2])
+    queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])
     queries[meta.token_req, meta.token_idx] = q
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
                                          attn_mask=meta.mask, scale=scale,

@@ -25,12 +25,15 @@ class StepInputs:
     k: int
     logit_rows: torch.Tensor         # [Bc + Bg·(K+1)] rows whose logits are needed
     ctx_last_rows: torch.Tensor      # [Bc] last row of each context chunk
+    draft_ctx_rows: torch.Tensor     # [Bdc] last rows of chunks that end their prompt
+    draft_reqs: torch.Tensor         # [Bdc + Bg] batch index of each request that drafts
     gen_start: int                   # first generation row (= context rows)
     shift_ids: torch.Tensor          # [T] step-0 draft inputs: x(p+1) where known already
     draft_tokens: torch.Tensor       # [Bg, K] drafts being verified
     draft_probs: torch.Tensor | None  # [Bg, K, V] q of those drafts (rejection sampling)
     row_sampling: SamplingTensors    # per logit row
-    req_sampling: SamplingTensors    # per request (context first)
+    gen_sampling: SamplingTensors    # per generation request
+    draft_sampling: SamplingTensors  # per drafting request (draft_reqs)
     max_kv_draft: int                # host bound on draft-step key lengths
     block_size: int
 
@@ -40,17 +43,19 @@ class StepResults:
     context_tokens: torch.Tensor     # [Bc]
     accepted: torch.Tensor           # [Bg, K+1]
     num_accepted: torch.Tensor       # [Bg]
-    drafts: torch.Tensor             # [B, K] target ids
-    draft_probs: torch.Tensor | None  # [B, K, V] in target-vocab space (rejection sampling)
+    drafts: torch.Tensor             # [Bd, K] target ids, one row per draft_reqs entry
+    draft_probs: torch.Tensor | None  # [Bd, K, V] in target-vocab space (rejection sampling)
 
 
 class SpecWorker:
     def __init__(self, target, drafter=None, use_rejection_sampling: bool = False,
-                 force_acceptance_length: float | None = None, generator=None):
+                 force_acceptance_length: float | None = None, generator=None,
+                 attn_backend: str = "torch"):
         self.target, self.drafter = target, drafter
         self.use_rejection_sampling = use_rejection_sampling
         self.force_acceptance_length = force_acceptance_length
         self.generator = generator           # for rows of unseeded requests
+        self.attn_backend = attn_backend
         self.num_steps = 0
         self._vocab_ids = drafter.draft_vocab_target_ids() if drafter else None
 
@@ -75,7 +80,7 @@ class SpecWorker:
             target_probs = probs[bc:].view(bg, k + 1, -1)
             accepted, num_accepted = rejection_accept(
                 inp.draft_tokens, inp.draft_probs, target_probs,
-                inp.req_sampling.generators[bc:], self.generator)
+                inp.gen_sampling.generators, self.generator)
         else:
             sampled = sample(logits, st, self.generator)                             # [R]
             tokens = sampled[:bc]
@@ -91,7 +96,7 @@ class SpecWorker:
                  num_accepted):
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
         device = inp.input_ids.device
-        empty = torch.empty(bc + bg, 0, dtype=torch.int64, device=device)
+        empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64, device=device)
         if self.drafter is None:
             return empty, None
         # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
@@ -105,23 +110,25 @@ class SpecWorker:
             return empty, None
         gen_last = (inp.gen_start + torch.arange(bg, device=device) * (k + 1)
                     + num_accepted - 1)
-        rows = torch.cat([inp.ctx_last_rows, gen_last])                      # [B]
+        rows = torch.cat([inp.draft_ctx_rows, gen_last])                     # [Bd]
         h, pos = h[rows], inp.positions[rows]
+        block_tables = inp.block_tables[inp.draft_reqs]
         drafts, probs = [], []
         for step in range(k):
             if step > 0:
                 pos = pos + 1
-                meta = build_attention_metadata(inp.block_tables, [1] * len(pos), pos, pos + 1,
-                                                inp.max_kv_draft, inp.block_size)
+                meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
+                                                inp.max_kv_draft, None, self.attn_backend)
                 h = self.drafter.forward(drafts[-1], pos, h, meta)
-            token, q = self._pick(self.drafter.compute_logits(h), inp.req_sampling)
+            token, q = self._pick(self.drafter.compute_logits(h), inp.draft_sampling)
             drafts.append(token)
             probs.append(q)
         draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
-        return torch.stack(drafts, 1), draft_probs                           # [B, K]
+        return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
 
     def _pick(self, draft_logits, st: SamplingTensors):
-        """Draft token per request: argmax, or a sample from q with rejection sampling."""
+        """Draft token per request: argmax, or a sample from q with rejection sampling.
+        Returns [Bd] target ids and q [Bd, V] (None without rejection sampling)."""
         if not self.use_rejection_sampling:
             return self.drafter.to_target_ids(draft_logits.argmax(-1)), None
         q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]

@@ -31,7 +31,7 @@ def make_hf_model(path, arch: str = "llama", num_layers: int = 4, vocab_size: in
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path)
     return model
 
 

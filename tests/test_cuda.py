@@ -1,0 +1,76 @@
+"""CUDA-only checks (skip cleanly without a GPU): the Triton attention backend against the
+portable one, and lossless greedy speculation on the GPU in float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_pool_full, hf_greedy, make_eagle3_head, make_hf_model
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
+           list(range(20, 45))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 2, 24)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_matches_torch_backend(dtype, heads, kv_heads, head_dim, window):
+    from onespec.layers.attention import build_attention_metadata, paged_attention
+    torch.manual_seed(0)
+    dev, bs, num_blocks = "cuda", 4, 64
+    # three requests: a prefill chunk of 7 rows at 10.., a 4-row verify at 20.., one row at 3
+    q_lens, starts = [7, 4, 1], [10, 20, 3]
+    tables = torch.randperm(num_blocks, device=dev)[:3 * 8].view(3, 8)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)]).to(dev)
+    outs = []
+    for backend in ("torch", "triton"):
+        gen = torch.Generator(device=dev).manual_seed(1)
+        kc = torch.randn(num_blocks * bs, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        vc = torch.randn(num_blocks * bs, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        t = len(positions)
+        q = torch.randn(t, heads, head_dim, device=dev, generator=gen).to(dtype)
+        k = torch.randn(t, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        v = torch.randn(t, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        meta = build_attention_metadata(tables, q_lens, positions, bs, int(positions.max()) + 1,
+                                        window, backend)
+        outs.append(paged_attention(q, k, v, kc, vc, meta, head_dim ** -0.5).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir = tmp_path_factory.mktemp("target")
+    hf = make_hf_model(tdir, "llama", num_layers=6)
+    hdir = tmp_path_factory.mktemp("head")
+    make_eagle3_head(hdir, hf, "safeailab", draft_vocab_size=64, seed=3)
+    return str(tdir), hf, str(hdir)
+
+
+def test_plain_matches_transformers_on_cuda(pair):
+    from onespec import LLM, SamplingParams
+    target, hf, _ = pair
+    llm = LLM(target, device="cuda", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 16) for p in PROMPTS]
+    assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("kw", [{}, {"max_num_tokens": 9},
+                                {"num_kv_blocks": 20, "block_size": 4, "max_model_len": 64}],
+                         ids=["batch", "chunked", "preempt"])
+def test_greedy_lossless_on_cuda(pair, k, kw):
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, _, head = pair
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLM(target, device="cuda", dtype="float32", **kw).generate(PROMPTS, sp)
+    llm = LLM(target, device="cuda", dtype="float32",
+              speculative_config=Eagle3Config(head, max_draft_len=k), **kw)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_pool_full(llm)

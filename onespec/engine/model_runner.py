@@ -65,7 +65,7 @@ class ModelRunner:
                 draft_reqs.append(len(q_lens) - 1)
             logit_rows.append(len(ids) - 1)
             row_params.append(c.req.sampling_params)
-            row_gens.append(c.req.generator)
+            row_gens.append(c.req.generator if c.is_last else None)  # no token: no draw
         gen_start = len(ids)
         draft_rows = []
         for req in batch.generation:

@@ -32,6 +32,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"          # "dummy": random weights from config.json (benchmarks)
     attention_backend: str = "auto"    # "torch" | "triton"; auto = triton on CUDA
+    cuda_graphs: bool = True           # graph the generation step (CUDA + triton only)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

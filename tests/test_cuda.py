@@ -74,3 +74,36 @@ def test_greedy_lossless_on_cuda(pair, k, kw):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.stats()["num_draft_tokens"] > 0
     assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("num_prompts", [3, 5])          # buckets 4 and 8: padded rows
+def test_cuda_graphs_agree_with_eager(pair, k, num_prompts):
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, hf, head = pair
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = Eagle3Config(head, max_draft_len=k) if k else None
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(target, device="cuda", dtype="float32", cuda_graphs=graphs,
+                  max_batch_size=8, speculative_config=spec)
+        assert (llm.engine.runner.graphs is not None) == graphs
+        outs = llm.generate(PROMPTS[:num_prompts], sp)
+        runs.append(([o.outputs[0].token_ids for o in outs], [vars(o.metrics) for o in outs]))
+        assert_pool_full(llm)
+        if graphs:
+            assert llm.engine.runner.graphs.graphs, "no graph was captured"
+    assert runs[0] == runs[1]
+    assert runs[1][0] == [hf_greedy(hf, p, 24) for p in PROMPTS[:num_prompts]]
+
+
+def test_cuda_graphs_forced_acceptance(pair):
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, _, head = pair
+    llm = LLM(target, device="cuda", dtype="float32", max_batch_size=8,
+              speculative_config=Eagle3Config(head, max_draft_len=3,
+                                              force_acceptance_length=3.0))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    for o in outs:
+        assert o.metrics.acceptance_length > 2.5
+    assert_pool_full(llm)

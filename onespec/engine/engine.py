@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import torch
 
 from onespec.config import Eagle3Config, EngineConfig
+from onespec.engine.cuda_graph import CudaGraphRunner
 from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
@@ -88,7 +90,9 @@ class Engine:
             drafter.head.setup_rotary(max_positions, self.device)
             attn_layers += drafter.attention_layers
         num_blocks = self._num_kv_blocks(attn_layers, k)
-        allocate_kv_cache(attn_layers, num_blocks, config.block_size, self.dtype, self.device)
+        # one block past the pool is scratch space for the padding rows of CUDA graphs
+        allocate_kv_cache(attn_layers, num_blocks + 1, config.block_size, self.dtype,
+                          self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids)
@@ -99,8 +103,17 @@ class Engine:
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
                             generator=self.generator,
                             attn_backend=self._attention_backend())
+        graphs = None
+        if config.cuda_graphs and worker.attn_backend == "triton":
+            graphs = CudaGraphRunner(worker, config.block_size,
+                                     -(-max_positions // config.block_size), num_blocks,
+                                     config.max_batch_size, self.device)
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
-                                  mcfg.sliding_window)
+                                  mcfg.sliding_window, graphs)
+        if graphs is not None:
+            start = time.perf_counter()
+            graphs.capture(k)
+            self.graph_capture_s = time.perf_counter() - start
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
                                     sc.acceptance_length_threshold if sc else None)
         self.stats = SpecStats(k)

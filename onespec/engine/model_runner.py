@@ -16,14 +16,18 @@ PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossles
 
 class ModelRunner:
     def __init__(self, worker: SpecWorker, block_size: int, device, vocab_size: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, graphs=None):
         self.worker = worker
+        self.graphs = graphs          # CudaGraphRunner or None
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            num_acc, accepted, drafts = self.graphs.run(batch)
+            return StepOutput([], accepted, num_acc, drafts)
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k

@@ -56,7 +56,7 @@ class SpecWorker:
         self.force_acceptance_length = force_acceptance_length
         self.generator = generator           # for rows of unseeded requests
         self.attn_backend = attn_backend
-        self.num_steps = 0
+        self.step_counter = None              # [] int64 on the device (graph-safe)
         self._vocab_ids = drafter.draft_vocab_target_ids() if drafter else None
 
     @torch.inference_mode()
@@ -67,7 +67,6 @@ class SpecWorker:
         context_tokens, accepted, num_accepted = self._accept(inp, logits)
         drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
                                             num_accepted)
-        self.num_steps += 1
         return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs)
 
     # ---- acceptance --------------------------------------------------------------------
@@ -87,8 +86,11 @@ class SpecWorker:
             accepted, num_accepted = strict_accept(inp.draft_tokens,
                                                    sampled[bc:].view(bg, k + 1))
         if self.force_acceptance_length is not None and bg:
+            if self.step_counter is None:
+                self.step_counter = torch.zeros((), dtype=torch.int64, device=logits.device)
+            self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
-                                               self.num_steps, logits.device)
+                                               self.step_counter, logits.device)
         return tokens, accepted, num_accepted
 
     # ---- draft loop --------------------------------------------------------------------

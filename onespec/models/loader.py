@@ -49,16 +49,28 @@ def checkpoint_files(path: str) -> list[str]:
                             "model.safetensors.index.json or pytorch_model.bin)")
 
 
+def _open_weights(file: str):
+    """A .bin file's state dict, or a safetensors reader; a file that cannot be read is a
+    ValueError that names it (not a deserializer's traceback)."""
+    try:
+        if file.endswith(".bin"):
+            return torch.load(file, map_location="cpu", weights_only=True)
+        return safe_open(file, framework="pt")
+    except Exception as e:
+        raise ValueError(f"cannot read weights file {file!r} ({type(e).__name__}): it is "
+                         "truncated, corrupt or not in the format its name says") from e
+
+
 def iter_weights(path: str, desc: str = "loading weights"):
     """Yields (name, tensor) over every weight file of a checkpoint, with a progress bar."""
     files = checkpoint_files(path)
     with tqdm(total=len(files), desc=desc, unit="file", leave=False) as bar:
         for file in files:
-            if file.endswith(".bin"):
-                state = torch.load(file, map_location="cpu", weights_only=True)
-                yield from state.items()
+            opened = _open_weights(file)
+            if isinstance(opened, dict):
+                yield from opened.items()
             else:
-                with safe_open(file, framework="pt") as f:
+                with opened as f:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
             bar.update(1)

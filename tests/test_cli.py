@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import hf_greedy
 
@@ -28,12 +31,19 @@ def test_generate_prints_tokens_and_stats(tiny_models):
     assert stats.groups() == ("8", "8")
 
 
-def test_bad_model_dir_is_a_readable_error(tmp_path):
-    missing = tmp_path / "no-such-model"
-    proc = run_cli("generate", "--model", str(missing), "--prompt-ids", "1,2", "--device", "cpu")
+@pytest.mark.parametrize("damage", ["missing", "corrupt-weights"])
+def test_bad_model_dir_is_a_readable_error(tiny_models, tmp_path, damage):
+    model = tmp_path / "model"
+    if damage == "missing":
+        pattern = r"onespec: error: .*model.* does not exist"
+    else:
+        shutil.copytree(tiny_models["llama"][0], model)
+        (model / "model.safetensors").write_bytes(b"\0" * 64)
+        pattern = r"onespec: error: cannot read weights file .*model.safetensors"
+    proc = run_cli("generate", "--model", str(model), "--prompt-ids", "1,2", "--device", "cpu")
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
-    assert re.search(r"onespec: error: .*no-such-model.* does not exist", proc.stderr), proc.stderr
+    assert re.search(pattern, proc.stderr), proc.stderr
     assert proc.stdout == ""
 
 

@@ -109,6 +109,20 @@ def test_missing_weights_file(model_copy):
         load(model_copy)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage-bin"])
+def test_unreadable_weights_file(model_copy, damage):
+    file = model_copy / "model.safetensors"
+    if damage == "truncated":
+        os.truncate(file, os.path.getsize(file) - 100)
+    else:
+        os.remove(file)
+        file = model_copy / "pytorch_model.bin"
+        file.write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="cannot read weights file") as e:
+        load(model_copy)
+    assert repr(str(file)) in str(e.value)
+
+
 @pytest.mark.parametrize("key", ["model.layers.1.mlp.down_proj.weight",
                                  "model.layers.0.self_attn.k_proj.weight"])   # packed or not
 def test_weight_of_wrong_shape(model_copy, key):

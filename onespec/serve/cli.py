@@ -1,0 +1,57 @@
+"""`onespec serve --model DIR [--draft DIR --k N] [--host] [--port] ...`"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from onespec.cli import _add_engine_args
+    p = argparse.ArgumentParser(prog="onespec serve",
+                                description="OpenAI-compatible HTTP server (see docs/SERVING.md)")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the model dir's basename)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* routes")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    return p
+
+
+def served_name(model_dir: str) -> str:
+    return os.path.basename(os.path.normpath(model_dir))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
+              file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from onespec.cli import build_llm
+        from onespec.serve.app import create_app
+    except ImportError as e:
+        print(f"onespec serve: error: {e}; install the server extras: "
+              "pip install 'onespec[serve]'", file=sys.stderr)
+        return 2
+    try:
+        llm = build_llm(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""OpenAI-style errors: {"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("onespec.serve")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client; status 400 unless said otherwise."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message,
+                          "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI):
+    """Every error the app can raise answers in the OpenAI shape (never FastAPI's 422)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        from onespec.serve.protocol import validation_error
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return APIError(str(exc.detail), status=exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("internal error while serving a request")
+        return APIError(f"internal server error: {type(exc).__name__}: {exc}",
+                        status=500).response()

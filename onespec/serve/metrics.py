@@ -1,0 +1,64 @@
+"""Prometheus metrics, in a registry of the server's own (no process-global state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from onespec.engine.request import RequestMetrics
+from onespec.serve.async_engine import EngineSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self, max_draft_len: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("onespec_requests", "Finished HTTP generation requests",
+                                ["endpoint", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("onespec_prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.generation_tokens = Counter("onespec_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.target_steps = Counter("onespec_target_steps",
+                                    "Target forward steps that produced tokens", registry=r)
+        self.draft_tokens = Counter("onespec_draft_tokens", "Draft tokens verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("onespec_accepted_draft_tokens",
+                                       "Draft tokens accepted", registry=r)
+        buckets = [1.0 + 0.25 * i for i in range(4 * max(max_draft_len, 1) + 1)]
+        self.acceptance_hist = Histogram(
+            "onespec_request_acceptance_length",
+            "Tokens per target step of each request (1 = no speculation gain)",
+            buckets=buckets, registry=r)
+        self.acceptance_length = Gauge(
+            "onespec_acceptance_length",
+            "Engine-wide generated tokens per target step over finished requests", registry=r)
+        self.kv_blocks_total = Gauge("onespec_kv_blocks_total", "KV pool blocks", registry=r)
+        self.kv_blocks_free = Gauge("onespec_kv_blocks_free", "Free KV pool blocks",
+                                    registry=r)
+        self.kv_usage = Gauge("onespec_kv_cache_usage", "Fraction of KV blocks in use",
+                              registry=r)
+        self.waiting = Gauge("onespec_num_requests_waiting", "Requests queued in the engine",
+                             registry=r)
+        self.running = Gauge("onespec_num_requests_running", "Requests running in the engine",
+                             registry=r)
+
+    def record_request(self, endpoint: str, finish_reason: str, num_prompt_tokens: int,
+                       m: RequestMetrics):
+        self.requests.labels(endpoint, finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generated_tokens)
+        self.target_steps.inc(m.target_steps)
+        self.draft_tokens.inc(m.num_draft_tokens)
+        self.accepted_tokens.inc(m.num_accepted_draft_tokens)
+        if m.target_steps:
+            self.acceptance_hist.observe(m.acceptance_length)
+
+    def render(self, snap: EngineSnapshot) -> bytes:
+        self.kv_blocks_total.set(snap.num_blocks)
+        self.kv_blocks_free.set(snap.num_free_blocks)
+        used = snap.num_blocks - snap.num_free_blocks
+        self.kv_usage.set(used / snap.num_blocks if snap.num_blocks else 0.0)
+        self.waiting.set(snap.num_waiting)
+        self.running.set(snap.num_running)
+        self.acceptance_length.set(snap.stats.get("acceptance_length", 0.0))
+        return generate_latest(self.registry)

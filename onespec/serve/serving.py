@@ -1,0 +1,193 @@
+"""/v1/completions and /v1/chat/completions: prompt -> Job -> engine loop -> response.
+
+Everything that can be rejected (model name, prompt, sampling fields, stop strings) is
+checked before the request reaches the engine, so bad input answers 400 with nothing to
+clean up. Once queued, a request is aborted as soon as its client goes away: a closed
+stream cancels the SSE generator, a non-stream request is raced against a disconnect
+watcher; either way the engine-loop generator's `finally` aborts and frees KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing, suppress
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from onespec.serve.async_engine import EngineError, EngineLoop
+from onespec.serve.detokenize import IncrementalDetokenizer
+from onespec.serve.errors import APIError
+from onespec.serve.metrics import ServerMetrics
+from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, sse
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
+STATUS_CLIENT_CLOSED = 499                  # nginx's code: nobody reads it
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """Closes its body iterator and calls on_close however the response ends, so a
+    client gone mid-stream never leaves its request running (whatever the ASGI server)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_close()
+
+
+async def wait_for_disconnect(request: Request):
+    """Returns when the client closes the connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, loop: EngineLoop, served_model_name: str, metrics: ServerMetrics):
+        self.loop = loop
+        engine = loop.engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model.config.vocab_size
+        self.metrics = metrics
+
+    # ---- requests -> jobs ----------------------------------------------------------------
+    def check_model(self, name: str):
+        if name != self.model_name:
+            raise APIError(f"the model '{name}' does not exist; this server serves "
+                           f"'{self.model_name}'", status=404, param="model",
+                           code="model_not_found")
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        self.check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = self._tokenizer("text prompts", "prompt").encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise APIError(f"prompt token ids must be in [0, {self.vocab_size})",
+                               param="prompt")
+        self._check_prompt_length(ids, "prompt")
+        return self._job(COMPLETION, req, ids, DEFAULT_COMPLETION_MAX_TOKENS)
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        self.check_model(req.model)
+        tok = self._tokenizer("chat completions", "messages")
+        if not getattr(tok, "chat_template", None):
+            raise APIError(f"the model '{self.model_name}' has no chat template; use "
+                           "/v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                           add_generation_prompt=True, tokenize=False)
+        except Exception as e:      # jinja2 errors: the template rejected the messages
+            raise APIError(f"the chat template failed on these messages: {e}",
+                           param="messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+        self._check_prompt_length(ids, "messages")
+        return self._job(CHAT, req, ids, self.max_model_len - len(ids))
+
+    def _tokenizer(self, what: str, param: str):
+        if self.tokenizer is None:
+            raise APIError(f"{what} need a tokenizer and the model '{self.model_name}' has "
+                           "none; send prompts as lists of token ids", param=param)
+        return self.tokenizer
+
+    def _check_prompt_length(self, ids: list[int], param: str):
+        if not ids:
+            raise APIError("the prompt is empty", param=param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"the prompt has {len(ids)} tokens; this model's maximum context "
+                           f"length is {self.max_model_len} tokens, so prompts must be at "
+                           f"most {self.max_model_len - 1}", param=param,
+                           code="context_length_exceeded")
+
+    def _job(self, kind: str, req, ids: list[int], default_max_tokens: int) -> Job:
+        stop = req.stop_strings()
+        if stop and self.tokenizer is None:
+            raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        sp = req.sampling_params(default_max_tokens)
+        detok = IncrementalDetokenizer(self._decode, stop)
+        return Job(kind, self.model_name, ids, sp, detok, return_token_ids=req.return_token_ids,
+                   include_usage=req.include_usage())
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- jobs -> responses ---------------------------------------------------------------
+    async def serve(self, job: Job, request: Request, stream: bool) -> Response:
+        try:
+            queue = await self.loop.add(job.prompt_token_ids, job.sampling_params,
+                                        job.request_id)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineError as e:
+            raise APIError(str(e), status=503) from None
+        updates = self._advance(job, self.loop.updates(job.request_id, queue))
+        if stream:
+            return AbortingStreamingResponse(
+                self._sse(job, updates), on_close=lambda: self.loop.abort(job.request_id),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(job, updates, request)
+
+    async def _advance(self, job: Job, updates) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yields (text delta, new token ids) per engine step until the job is finished;
+        records the request in the metrics however it ends."""
+        try:
+            async with aclosing(updates) as it:
+                async for u in it:
+                    job.metrics = u.metrics
+                    delta = job.detok.update(u.new_token_ids, u.finish_reason is not None)
+                    job.finish_reason = "stop" if job.detok.stopped else u.finish_reason
+                    yield delta, u.new_token_ids
+                    if job.finish_reason is not None:
+                        return          # a stop string: closing `updates` aborts the request
+        finally:
+            self.metrics.record_request(job.kind, job.finish_reason or "abort",
+                                        len(job.prompt_token_ids), job.metrics)
+
+    async def _complete(self, job: Job, updates, request: Request) -> Response:
+        async def consume():
+            async with aclosing(updates) as it:
+                async for _ in it:
+                    pass
+
+        work = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (watcher, work):
+                if not task.done():
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
+        if work.cancelled():
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        if isinstance(work.exception(), EngineError):
+            raise APIError(str(work.exception()), status=500)
+        work.result()
+        return JSONResponse(job.response())
+
+    async def _sse(self, job: Job, updates) -> AsyncIterator[str]:
+        if job.kind == CHAT:
+            yield job.chunk("", role=True)
+        try:
+            async with aclosing(updates) as it:
+                async for delta, token_ids in it:
+                    if delta or job.finish_reason or (job.return_token_ids and token_ids):
+                        yield job.chunk(delta, token_ids, job.finish_reason)
+        except EngineError as e:
+            yield sse(APIError(str(e), status=500).body())
+        else:
+            if job.include_usage:
+                yield job.usage_chunk()
+        yield SSE_DONE

@@ -1,0 +1,256 @@
+"""EAGLE-3 head training with training-time test: `train_eagle3(TrainConfig) -> (head, history)`.
+
+    records --(--regenerate)--> samples --> draft vocab (d2t, t2d) --> fresh head
+    per batch: target dense forward (no grad) --> TTT forward over K steps --> AdamW step
+Target features are computed online; the target is frozen and its embedding is shared.
+CUDA: target in bf16, head in fp32 master weights under bf16 autocast. CPU: float32.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from onespec.engine.engine import load_target, load_tokenizer, resolve_device
+from onespec.models.eagle3 import default_capture_layers
+from onespec.models.eagle3_io import save_eagle3_head
+from onespec.train.checkpoint import (Position, has_checkpoint, load_checkpoint,
+                                      save_checkpoint)
+from onespec.train.data import (collate, make_batches, read_records, records_to_samples,
+                                write_records)
+from onespec.train.features import target_batch
+from onespec.train.head import build_head
+from onespec.train.ttt import StepStats, ttt_forward, ttt_loss
+from onespec.train.vocab import count_tokens, draft_vocab_maps
+
+FORMATS = ("safeailab", "speculators")
+REGENERATED_FILE = "regenerated.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    target: str                       # Hugging Face target model directory
+    data: str                         # .jsonl / .jsonl.gz (see train/data.py)
+    out: str                          # head directory (config.json + model.safetensors)
+    ttt_steps: int = 7                # K unrolled draft steps
+    loss_decay: float = 0.8           # step i weighs decay^i
+    draft_vocab: int = 32000          # capped at the target vocab (no map when >= V)
+    max_len: int = 2048               # tokens per sample (longer texts are windowed)
+    epochs: int = 1
+    lr: float = 1e-4
+    batch_tokens: int = 8192          # padded tokens per optimizer step
+    warmup_ratio: float = 0.02        # linear warmup, then cosine decay to 0
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    fmt: str = "safeailab"            # output checkpoint format
+    device: str = "auto"
+    seed: int = 0
+    capture_layers: tuple[int, ...] | None = None   # outputs-of ids; default (1, L//2-1, L-4)
+    save_every: int = 1000            # optimizer steps between checkpoints (0: only at the end)
+    log: str | None = None            # JSONL log (default <out>/train_log.jsonl)
+    log_every: int = 10
+    resume: bool = False
+    regenerate: bool = False
+    max_steps: int | None = None      # stop early (the LR schedule spans min(total, max_steps))
+    eval_data: str | None = None      # held-out records: per-step accuracy at save points
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("ttt_steps", "draft_vocab", "epochs", "batch_tokens", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.max_len, int) or self.max_len < 3:
+            raise ValueError(f"max_len must be an integer >= 3, got {self.max_len!r}")
+        if self.batch_tokens < self.max_len:
+            raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_len "
+                             f"({self.max_len})")
+        if not (0.0 < self.loss_decay <= 1.0):
+            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay!r}")
+        if not (self.lr > 0.0):
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not (0.0 <= self.warmup_ratio < 1.0):
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
+        if not (self.grad_clip > 0.0):
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip!r}")
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"save_every must be an integer >= 0, got {self.save_every!r}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):
+            raise ValueError(f"max_steps must be an integer >= 1 or None, got {self.max_steps!r}")
+        if self.capture_layers is not None:
+            self.capture_layers = tuple(self.capture_layers)
+            if not self.capture_layers or any(not isinstance(i, int) or i < 0
+                                              for i in self.capture_layers):
+                raise ValueError("capture_layers must be a non-empty tuple of layer ids >= 0, "
+                                 f"got {self.capture_layers!r}")
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class StatsMeter:
+    """Per-step loss and accuracy accumulated over a log interval."""
+
+    def __init__(self, num_steps: int):
+        self.loss = [0.0] * num_steps
+        self.correct = [0] * num_steps
+        self.scored = [0] * num_steps
+        self.num_batches = self.num_tokens = 0
+
+    def add(self, stats: list[StepStats], num_tokens: int):
+        for i, s in enumerate(stats):
+            self.loss[i] += s.loss.item()
+            self.correct[i] += int(s.num_correct)
+            self.scored[i] += int(s.num_scored)
+        self.num_batches += 1
+        self.num_tokens += num_tokens
+
+    def summary(self, decay: float) -> dict:
+        loss = [x / max(1, self.num_batches) for x in self.loss]
+        acc = [c / s if s else 0.0 for c, s in zip(self.correct, self.scored)]
+        return {"loss": sum(decay ** i * x for i, x in enumerate(loss)),
+                "loss_per_step": [round(x, 5) for x in loss],
+                "acc_per_step": [round(x, 5) for x in acc]}
+
+
+def prepare_records(cfg: TrainConfig, tokenizer, device) -> list[dict]:
+    records = read_records(cfg.data)
+    if not cfg.regenerate:
+        return records
+    path = os.path.join(cfg.out, REGENERATED_FILE)
+    if cfg.resume and os.path.isfile(path):
+        return read_records(path)
+    from onespec.train.regen import regenerate
+    records = regenerate(records, cfg.target, tokenizer, cfg.max_len, str(device))
+    write_records(path, records)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def evaluate(head, target, capture, draft_ids, samples, cfg: TrainConfig, device,
+             use_bf16: bool) -> dict:
+    meter = StatsMeter(cfg.ttt_steps)
+    head.eval()
+    with torch.no_grad():
+        for batch in make_batches([len(s.input_ids) for s in samples], cfg.batch_tokens, 0, 0):
+            ids, mask = collate([samples[i] for i in batch], device)
+            tb = target_batch(target, ids, capture, draft_ids)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                stats = ttt_forward(head, target.model.embed_tokens, head.rotary, ids, mask, tb,
+                                    cfg.ttt_steps)
+            meter.add(stats, int(mask.numel()))
+    head.train()
+    return meter.summary(cfg.loss_decay)
+
+
+def train_eagle3(cfg: TrainConfig):
+    """Trains a head for cfg.target on cfg.data and saves it to cfg.out.
+    Returns (head, history): the trained head (on the training device, fp32) and the list
+    of logged dicts (the JSONL log's lines)."""
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    use_bf16 = device.type == "cuda"
+    os.makedirs(cfg.out, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.target)
+    records = prepare_records(cfg, tokenizer, device)
+    target = load_target(cfg.target, device, torch.bfloat16 if use_bf16 else torch.float32)
+    target.requires_grad_(False)
+    tcfg = target.config
+    capture = cfg.capture_layers or default_capture_layers(tcfg.num_hidden_layers)
+    if any(i >= tcfg.num_hidden_layers for i in capture):
+        raise ValueError(f"capture_layers {capture} fall outside the target's "
+                         f"{tcfg.num_hidden_layers} layers (outputs-of ids)")
+    max_len = min(cfg.max_len, tcfg.max_position_embeddings)
+    samples = records_to_samples(records, tokenizer, max_len, tcfg.vocab_size)
+    draft_ids, d2t, t2d = draft_vocab_maps(count_tokens(samples, tcfg.vocab_size),
+                                           min(cfg.draft_vocab, tcfg.vocab_size))
+    head = build_head(target, capture, draft_ids, d2t, t2d).to(device)
+    target.setup_rotary(max_len, device)
+    head.setup_rotary(max_len + cfg.ttt_steps, device)
+    draft_ids = None if draft_ids is None else draft_ids.to(device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay)
+    lengths = [len(s.input_ids) for s in samples]
+    batches_per_epoch = len(make_batches(lengths, cfg.batch_tokens, cfg.seed, 0))
+    total = cfg.epochs * batches_per_epoch
+    total = min(total, cfg.max_steps) if cfg.max_steps else total
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    meta = {"draft_vocab_size": head.config.draft_vocab_size, "capture": list(capture),
+            "ttt_steps": cfg.ttt_steps, "num_samples": len(samples)}
+    pos = Position()
+    if cfg.resume and has_checkpoint(cfg.out):
+        pos = load_checkpoint(cfg.out, head, optimizer, meta)
+    eval_samples = (records_to_samples(read_records(cfg.eval_data), tokenizer, max_len,
+                                       tcfg.vocab_size) if cfg.eval_data else None)
+    log_path = cfg.log or os.path.join(cfg.out, "train_log.jsonl")
+    history: list[dict] = []
+    with open(log_path, "a" if pos.step else "w") as log_file:
+        def log(entry: dict):
+            history.append(entry)
+            log_file.write(json.dumps(entry) + "\n")
+            log_file.flush()
+
+        def save_point():
+            save_checkpoint(cfg.out, head, optimizer, pos, meta)
+            if eval_samples:
+                log({"step": pos.step, "eval": True, **evaluate(
+                    head, target, capture, draft_ids, eval_samples, cfg, device, use_bf16)})
+
+        meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
+        bar = tqdm(total=total, initial=pos.step, desc="train eagle3", disable=not cfg.progress)
+        head.train()
+        while pos.step < total and pos.epoch < cfg.epochs:
+            batches = make_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
+            for batch in batches[pos.batch:]:
+                if pos.step >= total:
+                    break
+                ids, mask = collate([samples[i] for i in batch], device)
+                tb = target_batch(target, ids, capture, draft_ids)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                    stats = ttt_forward(head, target.model.embed_tokens, head.rotary, ids, mask,
+                                        tb, cfg.ttt_steps)
+                    loss = ttt_loss(stats, cfg.loss_decay)
+                lr = lr_at(pos.step, total, cfg.lr, warmup)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+                optimizer.step()
+                pos.step, pos.batch = pos.step + 1, pos.batch + 1
+                meter.add(stats, sum(lengths[i] for i in batch))
+                bar.update(1)
+                if pos.step % cfg.log_every == 0 or pos.step == total:
+                    elapsed = time.perf_counter() - tick
+                    summary = meter.summary(cfg.loss_decay)
+                    log({"step": pos.step, "epoch": pos.epoch, "lr": lr, **summary,
+                         "tokens_per_s": round(meter.num_tokens / elapsed, 1)})
+                    bar.set_postfix(loss=f"{summary['loss']:.3f}",
+                                    acc0=f"{summary['acc_per_step'][0]:.3f}")
+                    meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
+                if cfg.save_every and pos.step % cfg.save_every == 0 and pos.step < total:
+                    save_point()
+            else:
+                pos.epoch, pos.batch = pos.epoch + 1, 0
+        bar.close()
+        save_point()
+    save_eagle3_head(head, cfg.out, cfg.fmt, speculative_tokens=cfg.ttt_steps,
+                     dtype=torch.bfloat16 if use_bf16 else None)
+    with open(os.path.join(cfg.out, "train_config.json"), "w") as f:
+        json.dump({**asdict(cfg), "capture_layers": list(capture)}, f, indent=2)
+    return head, history

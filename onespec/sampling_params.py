@@ -15,7 +15,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")

@@ -1,11 +1,17 @@
 """Tiny random-weight Hugging Face checkpoints built by the tests themselves."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 # Tiny models on a small CPU: one intra-op thread is several times faster than two.
 torch.set_num_threads(1)
+
+# The equivalence tests run on this device; ONESPEC_TEST_DEVICE=cuda runs them on a GPU
+# (references stay on the CPU and are compared token by token).
+TEST_DEVICE = os.environ.get("ONESPEC_TEST_DEVICE", "cpu")
 
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ARCH_CONFIGS, assert_pool_full, hf_greedy, make_hf_model
+from conftest import ARCH_CONFIGS, TEST_DEVICE, assert_pool_full, hf_greedy, make_hf_model
 from onespec import LLM, SamplingParams
 
 ARCHS = list(ARCH_CONFIGS)
@@ -105,7 +105,7 @@ ENGINE_MODES = {
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(tiny_models, arch, mode):
     path, _ = tiny_models[arch]
-    llm = LLM(path, dtype="float32", device="cpu", **ENGINE_MODES[mode])
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, hf_refs(tiny_models, arch)):
         assert out.prompt_token_ids == prompt
@@ -121,7 +121,7 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     hf = make_hf_model(tmp_path, "mistral", num_layers=2, sliding_window=window)
     refs = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     for kw in (dict(), dict(max_num_tokens=7), ENGINE_MODES["preemption"]):
-        llm = LLM(str(tmp_path), dtype="float32", device="cpu", **kw)
+        llm = LLM(str(tmp_path), dtype="float32", device=TEST_DEVICE, **kw)
         assert llm.engine.model.config.sliding_window == window
         assert generate_ids(llm, PROMPTS) == refs, kw
         assert_pool_full(llm)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
 from onespec import LLM, Eagle3Config, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
@@ -23,12 +23,13 @@ def pair(tmp_path_factory):
     for fmt in ("safeailab", "speculators"):
         heads[fmt] = str(tmp_path_factory.mktemp(fmt))
         make_eagle3_head(heads[fmt], hf, fmt, draft_vocab_size=64, seed=3)
-    plain = LLM(str(tdir), device="cpu").generate(PROMPTS, GREEDY)
+    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(PROMPTS, GREEDY)
     return str(tdir), hf, heads, [o.outputs[0].token_ids for o in plain]
 
 
-def spec_llm(target, head, k, **kw):
-    return LLM(target, device="cpu", speculative_config=Eagle3Config(head, max_draft_len=k), **kw)
+def spec_llm(target, head, k, device=TEST_DEVICE, **kw):
+    return LLM(target, device=device, dtype="float32",
+               speculative_config=Eagle3Config(head, max_draft_len=k), **kw)
 
 
 def token_ids(outs):
@@ -138,7 +139,7 @@ def reference_drafts(hf, head, capture, tokens: list[int], k: int):
 @pytest.mark.parametrize("k", [1, 3])
 def test_drafts_match_from_scratch_reference(pair, k):
     target, hf, heads, _ = pair
-    llm = spec_llm(target, heads["safeailab"], k, max_num_tokens=10)
+    llm = spec_llm(target, heads["safeailab"], k, device="cpu", max_num_tokens=10)
     eng = llm.engine
     drafter = eng.drafter
     reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:4]]
@@ -168,7 +169,7 @@ def test_capture_layer_conventions(pair, tmp_path):
     assert token_ids(llm.generate(PROMPTS[:2], GREEDY)) == plain[:2]
     default = spec_llm(target, heads_default(tmp_path, hf), 2)
     assert default.engine.drafter.capture_layers == (1, 2, 2)        # L = 6
-    override = LLM(target, device="cpu", speculative_config=Eagle3Config(
+    override = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         str(tmp_path), max_draft_len=2, layers_to_capture=(0, 1, 3)))
     assert override.engine.drafter.capture_layers == (0, 1, 3)
 
@@ -191,14 +192,14 @@ def test_head_variants_lossless(pair, tmp_path, variant):
 
 def test_draft_len_schedule_and_gate(pair):
     target, _, heads, plain = pair
-    sched = LLM(target, device="cpu", speculative_config=Eagle3Config(
+    sched = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         heads["safeailab"], max_draft_len=3, draft_len_schedule={2: 3, 4: 1}))
     assert sched.engine.draft_len_fn(1) == 3 and sched.engine.draft_len_fn(3) == 1
     assert sched.engine.draft_len_fn(5) == 0
     assert token_ids(sched.generate(PROMPTS, GREEDY)) == plain
     conc = Eagle3Config(heads["safeailab"], max_draft_len=2, max_concurrency=4)
     assert conc.draft_len_schedule == {4: 2}
-    gated = LLM(target, device="cpu", speculative_config=Eagle3Config(
+    gated = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         heads["safeailab"], max_draft_len=3, acceptance_window=2,
         acceptance_length_threshold=5.0))
     gated.generate(PROMPTS[:2], GREEDY)                # random head: acceptance far below 6
@@ -211,7 +212,7 @@ def test_draft_len_schedule_and_gate(pair):
 
 def test_forced_acceptance_sets_tokens_per_step(pair):
     target, _, heads, _ = pair
-    llm = LLM(target, device="cpu", speculative_config=Eagle3Config(
+    llm = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         heads["safeailab"], max_draft_len=3, force_acceptance_length=2.5))
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
     steps = sum(o.metrics.target_steps for o in outs) - len(outs)     # generation steps

@@ -74,8 +74,10 @@ class Engine:
         self.model = load_target(config.model, self.device, self.dtype, dummy)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings)
+        if (config.max_model_len or 0) > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         drafter = self._load_drafter(speculative_config) if speculative_config else None
         self.drafter = drafter
         self.max_draft_len = speculative_config.max_draft_len if drafter else 0
@@ -184,7 +186,8 @@ class Engine:
             return ids
         ids = list(prompt)
         vocab = self.model.config.vocab_size
-        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                              for t in ids):
             raise ValueError(f"a token-id prompt must be a non-empty list of ints in [0, {vocab})")
         return ids
 

@@ -1,0 +1,88 @@
+"""Acceptance of the demo pair on held-out stdlib files, K = 1..7, next to transformers'
+prompt-lookup decoding on the same model and prompts. Prints one JSON line per setting.
+
+    python scripts/eval_acceptance.py --data data/stdlib/heldout.jsonl.gz [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+
+import torch
+
+from onespec import LLM, Eagle3Config, SamplingParams
+from onespec.demo import HEAD_DIR, TARGET_DIR
+
+
+def heldout_prompts(path: str, tokenizer, num: int, prompt_len: int) -> list[list[int]]:
+    """Deterministic prompts: a window of prompt_len tokens from the middle of each file."""
+    prompts = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            ids = tokenizer.encode(json.loads(line)["text"])
+            if len(ids) < 2 * prompt_len:
+                continue
+            start = (len(ids) - prompt_len) // 2
+            prompts.append(ids[start:start + prompt_len])
+            if len(prompts) == num:
+                break
+    return prompts
+
+
+def prompt_lookup(prompts, gen_len: int, device, num_tokens: int) -> dict:
+    """transformers generate with prompt_lookup_num_tokens: tokens per target forward."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).to(device)
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    generated = 0
+    start = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=gen_len, min_new_tokens=gen_len,
+                             prompt_lookup_num_tokens=num_tokens, eos_token_id=None,
+                             pad_token_id=0)
+        generated += out.shape[1] - len(p)
+    return {"method": f"hf-prompt-lookup-{num_tokens}", "acceptance_length": generated / calls[0],
+            "tokens": generated, "seconds": time.perf_counter() - start}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", default="data/stdlib/heldout.jsonl.gz")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7")
+    args = ap.parse_args()
+    dtype = "float32"
+    plain = LLM(TARGET_DIR, device=args.device, dtype=dtype)
+    prompts = heldout_prompts(args.data, plain.tokenizer, args.num_prompts, args.prompt_len)
+    sp = SamplingParams(max_tokens=args.gen_len, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    device = str(plain.engine.device)
+    print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.gen_len} new",
+          file=sys.stderr)
+    for k in [int(x) for x in args.ks.split(",")]:
+        llm = LLM(TARGET_DIR, device=args.device, dtype=dtype,
+                  speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=k))
+        outs = llm.generate(prompts, sp)
+        st = llm.stats()
+        print(json.dumps({"method": "onespec-eagle3", "k": k, "device": device,
+                          "acceptance_length": round(st["acceptance_length"], 3),
+                          "acceptance_rate_per_position":
+                              [round(r, 3) for r in st["acceptance_rate_per_position"]],
+                          "identical_to_plain": [o.outputs[0].token_ids for o in outs] == ref}),
+              flush=True)
+    for n in (3, 10):
+        print(json.dumps({**prompt_lookup(prompts, args.gen_len, plain.engine.device, n),
+                          "device": device}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

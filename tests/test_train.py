@@ -171,6 +171,20 @@ def test_chat_loss_mask_covers_assistant_turns(target_dir):
     assert learned == ["y", "o", "<|end|>", "b", "<|end|>"]
 
 
+def test_chat_loss_mask_when_prefixes_do_not_line_up(target_dir):
+    """A template that closes a turn only when another follows: rendered prefixes differ
+    from the full chat, so turns are found by their content (end tokens get no loss)."""
+    tok = load_tokenizer(target_dir)
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{{ m['content'] }}{% if not loop.last %}<|end|>{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "ok"}, {"role": "assistant", "content": "b"}]
+    ids, mask = chat_tokens(tok, messages)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert [p for p, m in zip(pieces, mask) if m] == ["y", "o", "b"]
+
+
 def test_text_records_window_and_batches(target_dir):
     tok = load_tokenizer(target_dir)
     samples = records_to_samples([{"text": "abcdefghij" * 3, "path": "x.py"}], tok, 12, 128)
@@ -230,13 +244,15 @@ def test_cli_train_resume_and_load(target_dir, tmp_path):
     args = ["train", "eagle3", "--target", target_dir, "--data", str(data), "--out", str(out),
             "--device", "cpu", "--max-len", "32", "--batch-tokens", "64", "--ttt-steps", "2",
             "--draft-vocab", "30", "--capture-layers", "0,2,4", "--format", "speculators",
-            "--save-every", "2", "--log-every", "1", "--no-progress"]
+            "--save-every", "2", "--log-every", "1", "--eval-data", str(data), "--no-progress"]
     assert main(args + ["--max-steps", "3"]) == 0
     state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)
     assert state["step"] == 3
     assert main(args + ["--max-steps", "5", "--resume"]) == 0
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
+    assert [e["step"] for e in log if not e.get("eval")] == [1, 2, 3, 4, 5]
+    assert [e["step"] for e in log if e.get("eval")] == [2, 3, 4, 5]     # at checkpoints
+    assert len(log[-1]["acc_per_step"]) == 2
     assert torch.load(out / "checkpoint" / "state.pt", weights_only=True)["step"] == 5
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == 30

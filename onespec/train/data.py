@@ -98,8 +98,9 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
     A turn's span runs from the end of the prefix rendered with the generation prompt to the
     end of the prefix that includes the turn (so end-of-turn tokens are learned too). When a
-    template renders earlier turns differently in a longer chat (prefixes do not line up),
-    the turn's content is searched for in the full rendering instead."""
+    template renders a turn differently inside a longer chat (prefixes do not line up), the
+    turn's content is searched for in the full rendering instead; a turn that cannot be
+    found there either (e.g. reasoning stripped from earlier turns) gets no loss."""
     full = render_chat(tokenizer, messages)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
@@ -111,9 +112,9 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
                 and len(upto) > len(before)):
             start, end = len(before), len(upto)
         else:
-            start = full.find(m["content"], cursor)
+            start = full.find(m["content"], cursor) if m["content"] else -1
             if start < 0:
-                raise ValueError(f"assistant turn {i} not found in the rendered chat template")
+                continue
             end = start + len(m["content"])
         spans.append((start, end))
         cursor = end

@@ -7,6 +7,7 @@ CUDA: target in bf16, head in fp32 master weights under bf16 autocast. CPU: floa
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -102,25 +103,26 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 class StatsMeter:
-    """Per-step loss and accuracy accumulated over a log interval."""
+    """Per-step loss and accuracy summed on the device over a log interval (no host sync
+    until summary())."""
 
     def __init__(self, num_steps: int):
-        self.loss = [0.0] * num_steps
-        self.correct = [0] * num_steps
-        self.scored = [0] * num_steps
+        self.num_steps = num_steps
+        self.sums = None                     # [3, K]: loss, correct, scored
         self.num_batches = self.num_tokens = 0
 
     def add(self, stats: list[StepStats], num_tokens: int):
-        for i, s in enumerate(stats):
-            self.loss[i] += s.loss.item()
-            self.correct[i] += int(s.num_correct)
-            self.scored[i] += int(s.num_scored)
+        batch = torch.stack([torch.stack([s.loss.detach().float(), s.num_correct.float(),
+                                          s.num_scored.float()]) for s in stats], dim=1)
+        self.sums = batch if self.sums is None else self.sums + batch
         self.num_batches += 1
         self.num_tokens += num_tokens
 
     def summary(self, decay: float) -> dict:
-        loss = [x / max(1, self.num_batches) for x in self.loss]
-        acc = [c / s if s else 0.0 for c, s in zip(self.correct, self.scored)]
+        loss_sum, correct, scored = (self.sums.tolist() if self.sums is not None
+                                     else [[0.0] * self.num_steps] * 3)
+        loss = [x / max(1, self.num_batches) for x in loss_sum]
+        acc = [c / s if s else 0.0 for c, s in zip(correct, scored)]
         return {"loss": sum(decay ** i * x for i, x in enumerate(loss)),
                 "loss_per_step": [round(x, 5) for x in loss],
                 "acc_per_step": [round(x, 5) for x in acc]}
@@ -136,121 +138,138 @@ def prepare_records(cfg: TrainConfig, tokenizer, device) -> list[dict]:
     from onespec.train.regen import regenerate
     records = regenerate(records, cfg.target, tokenizer, cfg.max_len, str(device))
     write_records(path, records)
+    gc.collect()                              # the engine's KV pool goes before training
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return records
 
 
-def evaluate(head, target, capture, draft_ids, samples, cfg: TrainConfig, device,
-             use_bf16: bool) -> dict:
-    meter = StatsMeter(cfg.ttt_steps)
-    head.eval()
-    with torch.no_grad():
-        for batch in make_batches([len(s.input_ids) for s in samples], cfg.batch_tokens, 0, 0):
-            ids, mask = collate([samples[i] for i in batch], device)
-            tb = target_batch(target, ids, capture, draft_ids)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                stats = ttt_forward(head, target.model.embed_tokens, head.rotary, ids, mask, tb,
-                                    cfg.ttt_steps)
-            meter.add(stats, int(mask.numel()))
-    head.train()
-    return meter.summary(cfg.loss_decay)
+class Trainer:
+    """Set-up (data, vocab, head, optimizer, resume) in __init__; run() trains and saves."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.device = device = resolve_device(cfg.device)
+        self.use_bf16 = device.type == "cuda"
+        os.makedirs(cfg.out, exist_ok=True)
+        tokenizer = load_tokenizer(cfg.target)
+        records = prepare_records(cfg, tokenizer, device)
+        self.target = target = load_target(cfg.target, device,
+                                           torch.bfloat16 if self.use_bf16 else torch.float32)
+        target.requires_grad_(False)
+        tcfg = target.config
+        self.capture = cfg.capture_layers or default_capture_layers(tcfg.num_hidden_layers)
+        if any(i >= tcfg.num_hidden_layers for i in self.capture):
+            raise ValueError(f"capture_layers {self.capture} fall outside the target's "
+                             f"{tcfg.num_hidden_layers} layers (outputs-of ids)")
+        max_len = min(cfg.max_len, tcfg.max_position_embeddings)
+        self.samples = records_to_samples(records, tokenizer, max_len, tcfg.vocab_size)
+        self.eval_samples = records_to_samples(read_records(cfg.eval_data), tokenizer, max_len,
+                                               tcfg.vocab_size) if cfg.eval_data else []
+        draft_ids, d2t, t2d = draft_vocab_maps(count_tokens(self.samples, tcfg.vocab_size),
+                                               min(cfg.draft_vocab, tcfg.vocab_size))
+        self.head = build_head(target, self.capture, draft_ids, d2t, t2d).to(device)
+        target.setup_rotary(max_len, device)
+        self.head.setup_rotary(max_len + cfg.ttt_steps, device)
+        self.draft_ids = None if draft_ids is None else draft_ids.to(device)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay)
+        self.lengths = [len(s.input_ids) for s in self.samples]
+        total = cfg.epochs * len(make_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
+        self.total = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.warmup = max(1, int(cfg.warmup_ratio * self.total))
+        self.meta = {"draft_vocab_size": self.head.config.draft_vocab_size,
+                     "capture": list(self.capture), "ttt_steps": cfg.ttt_steps,
+                     "num_samples": len(self.samples)}
+        self.pos = Position()
+        if cfg.resume and has_checkpoint(cfg.out):
+            self.pos = load_checkpoint(cfg.out, self.head, self.optimizer, self.meta)
+        self.history: list[dict] = []
+
+    def forward(self, samples) -> list[StepStats]:
+        """Target features (no grad) + TTT forward for one batch of samples."""
+        ids, mask = collate(samples, self.device)
+        tb = target_batch(self.target, ids, self.capture, self.draft_ids)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+            return ttt_forward(self.head, self.target.model.embed_tokens, self.head.rotary, ids,
+                               mask, tb, self.cfg.ttt_steps)
+
+    def train_step(self, batch: list[int]) -> tuple[list[StepStats], float]:
+        cfg = self.cfg
+        stats = self.forward([self.samples[i] for i in batch])
+        lr = lr_at(self.pos.step, self.total, cfg.lr, self.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        ttt_loss(stats, cfg.loss_decay).backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.pos.step, self.pos.batch = self.pos.step + 1, self.pos.batch + 1
+        return stats, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        meter = StatsMeter(self.cfg.ttt_steps)
+        self.head.eval()
+        lengths = [len(s.input_ids) for s in self.eval_samples]
+        for batch in make_batches(lengths, self.cfg.batch_tokens, 0, 0):
+            meter.add(self.forward([self.eval_samples[i] for i in batch]),
+                      sum(lengths[i] for i in batch))
+        self.head.train()
+        return meter.summary(self.cfg.loss_decay)
+
+    def log(self, entry: dict):
+        self.history.append(entry)
+        self.log_file.write(json.dumps(entry) + "\n")
+        self.log_file.flush()
+
+    def save_point(self):
+        save_checkpoint(self.cfg.out, self.head, self.optimizer, self.pos, self.meta)
+        if self.eval_samples:
+            self.log({"step": self.pos.step, "eval": True, **self.evaluate()})
+
+    def run(self):
+        cfg, pos = self.cfg, self.pos
+        log_path = cfg.log or os.path.join(cfg.out, "train_log.jsonl")
+        self.log_file = open(log_path, "a" if pos.step else "w")
+        meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
+        bar = tqdm(total=self.total, initial=pos.step, desc="train eagle3",
+                   disable=not cfg.progress)
+        self.head.train()
+        while pos.step < self.total and pos.epoch < cfg.epochs:
+            batches = make_batches(self.lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
+            for batch in batches[pos.batch:]:
+                if pos.step >= self.total:
+                    break
+                stats, lr = self.train_step(batch)
+                meter.add(stats, sum(self.lengths[i] for i in batch))
+                bar.update(1)
+                if pos.step % cfg.log_every == 0 or pos.step == self.total:
+                    summary = meter.summary(cfg.loss_decay)
+                    rate = meter.num_tokens / (time.perf_counter() - tick)
+                    self.log({"step": pos.step, "epoch": pos.epoch, "lr": lr, **summary,
+                              "tokens_per_s": round(rate, 1)})
+                    bar.set_postfix(loss=f"{summary['loss']:.3f}",
+                                    acc0=f"{summary['acc_per_step'][0]:.3f}")
+                    meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
+                if cfg.save_every and pos.step % cfg.save_every == 0 and pos.step < self.total:
+                    self.save_point()
+            else:
+                pos.epoch, pos.batch = pos.epoch + 1, 0
+        bar.close()
+        self.save_point()
+        self.log_file.close()
+        save_eagle3_head(self.head, cfg.out, cfg.fmt, speculative_tokens=cfg.ttt_steps,
+                         dtype=torch.bfloat16 if self.use_bf16 else None)
+        with open(os.path.join(cfg.out, "train_config.json"), "w") as f:
+            json.dump({**asdict(cfg), "capture_layers": list(self.capture)}, f, indent=2)
+        return self.head, self.history
 
 
 def train_eagle3(cfg: TrainConfig):
     """Trains a head for cfg.target on cfg.data and saves it to cfg.out.
     Returns (head, history): the trained head (on the training device, fp32) and the list
-    of logged dicts (the JSONL log's lines)."""
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    use_bf16 = device.type == "cuda"
-    os.makedirs(cfg.out, exist_ok=True)
-    tokenizer = load_tokenizer(cfg.target)
-    records = prepare_records(cfg, tokenizer, device)
-    target = load_target(cfg.target, device, torch.bfloat16 if use_bf16 else torch.float32)
-    target.requires_grad_(False)
-    tcfg = target.config
-    capture = cfg.capture_layers or default_capture_layers(tcfg.num_hidden_layers)
-    if any(i >= tcfg.num_hidden_layers for i in capture):
-        raise ValueError(f"capture_layers {capture} fall outside the target's "
-                         f"{tcfg.num_hidden_layers} layers (outputs-of ids)")
-    max_len = min(cfg.max_len, tcfg.max_position_embeddings)
-    samples = records_to_samples(records, tokenizer, max_len, tcfg.vocab_size)
-    draft_ids, d2t, t2d = draft_vocab_maps(count_tokens(samples, tcfg.vocab_size),
-                                           min(cfg.draft_vocab, tcfg.vocab_size))
-    head = build_head(target, capture, draft_ids, d2t, t2d).to(device)
-    target.setup_rotary(max_len, device)
-    head.setup_rotary(max_len + cfg.ttt_steps, device)
-    draft_ids = None if draft_ids is None else draft_ids.to(device)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)
-    lengths = [len(s.input_ids) for s in samples]
-    batches_per_epoch = len(make_batches(lengths, cfg.batch_tokens, cfg.seed, 0))
-    total = cfg.epochs * batches_per_epoch
-    total = min(total, cfg.max_steps) if cfg.max_steps else total
-    warmup = max(1, int(cfg.warmup_ratio * total))
-    meta = {"draft_vocab_size": head.config.draft_vocab_size, "capture": list(capture),
-            "ttt_steps": cfg.ttt_steps, "num_samples": len(samples)}
-    pos = Position()
-    if cfg.resume and has_checkpoint(cfg.out):
-        pos = load_checkpoint(cfg.out, head, optimizer, meta)
-    eval_samples = (records_to_samples(read_records(cfg.eval_data), tokenizer, max_len,
-                                       tcfg.vocab_size) if cfg.eval_data else None)
-    log_path = cfg.log or os.path.join(cfg.out, "train_log.jsonl")
-    history: list[dict] = []
-    with open(log_path, "a" if pos.step else "w") as log_file:
-        def log(entry: dict):
-            history.append(entry)
-            log_file.write(json.dumps(entry) + "\n")
-            log_file.flush()
-
-        def save_point():
-            save_checkpoint(cfg.out, head, optimizer, pos, meta)
-            if eval_samples:
-                log({"step": pos.step, "eval": True, **evaluate(
-                    head, target, capture, draft_ids, eval_samples, cfg, device, use_bf16)})
-
-        meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
-        bar = tqdm(total=total, initial=pos.step, desc="train eagle3", disable=not cfg.progress)
-        head.train()
-        while pos.step < total and pos.epoch < cfg.epochs:
-            batches = make_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
-            for batch in batches[pos.batch:]:
-                if pos.step >= total:
-                    break
-                ids, mask = collate([samples[i] for i in batch], device)
-                tb = target_batch(target, ids, capture, draft_ids)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                    stats = ttt_forward(head, target.model.embed_tokens, head.rotary, ids, mask,
-                                        tb, cfg.ttt_steps)
-                    loss = ttt_loss(stats, cfg.loss_decay)
-                lr = lr_at(pos.step, total, cfg.lr, warmup)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-                optimizer.step()
-                pos.step, pos.batch = pos.step + 1, pos.batch + 1
-                meter.add(stats, sum(lengths[i] for i in batch))
-                bar.update(1)
-                if pos.step % cfg.log_every == 0 or pos.step == total:
-                    elapsed = time.perf_counter() - tick
-                    summary = meter.summary(cfg.loss_decay)
-                    log({"step": pos.step, "epoch": pos.epoch, "lr": lr, **summary,
-                         "tokens_per_s": round(meter.num_tokens / elapsed, 1)})
-                    bar.set_postfix(loss=f"{summary['loss']:.3f}",
-                                    acc0=f"{summary['acc_per_step'][0]:.3f}")
-                    meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
-                if cfg.save_every and pos.step % cfg.save_every == 0 and pos.step < total:
-                    save_point()
-            else:
-                pos.epoch, pos.batch = pos.epoch + 1, 0
-        bar.close()
-        save_point()
-    save_eagle3_head(head, cfg.out, cfg.fmt, speculative_tokens=cfg.ttt_steps,
-                     dtype=torch.bfloat16 if use_bf16 else None)
-    with open(os.path.join(cfg.out, "train_config.json"), "w") as f:
-        json.dump({**asdict(cfg), "capture_layers": list(capture)}, f, indent=2)
-    return head, history
+    of logged dicts (the JSONL log's lines; eval entries carry "eval": True)."""
+    return Trainer(cfg).run()

@@ -30,6 +30,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple, tuple] = {}     # key -> (graph, output, its input tensors)
         self.pool = torch.cuda.graph_pool_handle()
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self.num_replays = 0
         greedy = SamplingParams(temperature=0.0)
         self._greedy = lambda n: SamplingTensors.build([greedy] * n, None, device)
 
@@ -120,6 +121,7 @@ class CudaGraphRunner:
         if k:
             buf["draft_tokens"][:b].copy_(torch.tensor(drafts), non_blocking=True)
         graph.replay()
+        self.num_replays += 1
         flat = out.tolist()                                                  # one host copy
         accepted = [flat[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
         num_acc = flat[rows:rows + n]

@@ -148,11 +148,13 @@ class Engine:
         blocks_per_seq = -(-(self.max_model_len + max(k + 1, 2 * k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num = int(free * cfg.kv_cache_memory_fraction) // per_block
-        else:
-            num = min(CPU_KV_BUDGET_BYTES // per_block, blocks_per_seq * cfg.max_batch_size)
+        else:      # a fraction of free memory, but never more than the batch can use
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cfg.kv_cache_memory_fraction)
+            else:
+                budget = CPU_KV_BUDGET_BYTES
+            num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
         if num < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
                              f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "

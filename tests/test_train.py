@@ -291,3 +291,26 @@ def test_regenerate_rewrites_chats_and_text(target_dir, tmp_path):
     assert text["input_ids"] == list(range(10, 20)) + cont[0].outputs[0].token_ids
     samples = records_to_samples(out, tok, 40, 128)
     assert samples and any(any(s.loss_mask) for s in samples)
+
+
+def test_train_with_regenerate_caches_the_data(target_dir, tmp_path, monkeypatch):
+    from onespec.train import TrainConfig, train_eagle3
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [{"text": "import os\nprint(os.sep)\n" * 2},
+                       {"messages": [{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "hello"}]}])
+    cfg = dict(target=target_dir, data=str(data), out=str(tmp_path / "head"), max_len=24,
+               batch_tokens=48, ttt_steps=2, draft_vocab=64, device="cpu", max_steps=2,
+               epochs=5, regenerate=True, progress=False)
+    head, history = train_eagle3(TrainConfig(**cfg))
+    cached = tmp_path / "head" / "regenerated.jsonl"
+    records = [json.loads(line) for line in cached.read_text().splitlines()]
+    assert [("messages" in r, "input_ids" in r) for r in records] == \
+        [(True, False), (False, True), (False, True)]       # a chat, then 2 text windows
+    assert history[-1]["step"] == 2
+
+    def no_regeneration(*args, **kwargs):
+        raise AssertionError("--resume must reuse regenerated.jsonl")
+    monkeypatch.setattr("onespec.train.regen.regenerate", no_regeneration)
+    _, history = train_eagle3(TrainConfig(**{**cfg, "resume": True, "max_steps": 3}))
+    assert history[-1]["step"] == 3

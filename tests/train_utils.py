@@ -91,7 +91,9 @@ def train_tiny(target_dir: str, work_dir: str, steps: int = 150, ttt_steps: int 
 
 
 def trained_head(target_dir, out_dir, fmt: str = "safeailab", **kwargs) -> str:
-    """Writes a trained head for `target_dir` in `fmt` to `out_dir`; returns out_dir."""
+    """Writes a trained head for `target_dir` in `fmt` ("safeailab" | "speculators") to
+    `out_dir`; returns out_dir. kwargs go to train_tiny (steps, ttt_steps, draft_vocab, seed,
+    or TrainConfig fields such as capture_layers)."""
     from onespec.models.eagle3_io import save_eagle3_head
     head, _ = train_tiny(str(target_dir), os.path.join(str(out_dir), "_work"), **kwargs)
     save_eagle3_head(head, str(out_dir), fmt)

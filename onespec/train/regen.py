@@ -13,11 +13,16 @@ from __future__ import annotations
 from onespec.sampling_params import SamplingParams
 from onespec.train.data import chat_messages, encode_texts, render_chat
 
+MIN_WINDOW = 4               # a text window needs >= 2 prompt and >= 2 continuation tokens
+
 
 def regenerate(records: list[dict], target_path: str, tokenizer, max_len: int, device: str,
                dtype: str = "auto") -> list[dict]:
     """-> new records: {"messages": [...]} for chats, {"input_ids": [...]} for text windows."""
     from onespec.llm import LLM
+    if tokenizer is None and any("text" in r or chat_messages(r) for r in records):
+        raise ValueError("regenerating text or chat records needs the target's tokenizer, "
+                         "and the target has no tokenizer files")
     llm = LLM(target_path, device=device, dtype=dtype, max_model_len=max_len,
               max_num_tokens=max(8192, max_len), max_batch_size=256)
     max_len = llm.engine.max_model_len
@@ -43,7 +48,7 @@ def _token_windows(records: list[dict], tokenizer, max_len: int) -> list[list[in
     seqs = encode_texts(tokenizer, texts) if texts else []
     seqs += [[int(t) for t in r["input_ids"]] for r in records if "text" not in r]
     return [ids[i:i + max_len] for ids in seqs for i in range(0, len(ids), max_len)
-            if len(ids[i:i + max_len]) >= 4]
+            if len(ids[i:i + max_len]) >= MIN_WINDOW]
 
 
 def _regenerate_chats(llm, tokenizer, chats: list[list[dict]], max_len: int,

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     plain_llm = LLM(TARGET_DIR, device=args.device, dtype=dtype, max_batch_size=4)
     device = spec_llm.engine.device
     print(f"onespec demo: 8-layer code model + EAGLE-3 head on {device}, K={args.k}, greedy\n")
-    timed_run(plain_llm, prompts[:1], SamplingParams(max_tokens=4), stream=False)   # warm-up
-    timed_run(spec_llm, prompts[:1], SamplingParams(max_tokens=4), stream=False)
+    for llm in (plain_llm, spec_llm):          # warm-up: first-use kernel set-up is not timed
+        timed_run(llm, prompts, SamplingParams(max_tokens=4), stream=False)
     spec_before = spec_llm.stats()
     spec_reqs, spec_s = timed_run(spec_llm, prompts, sp, stream=True)
     plain_outs, plain_s = timed_run(plain_llm, prompts, sp, stream=False)

@@ -22,8 +22,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 class CudaGraphRunner:
     def __init__(self, worker: SpecWorker, block_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, max_batch_size: int, device):
+                 scratch_block: int, max_batch_size: int, device,
+                 sliding_window: int | None = None):
         self.worker, self.block_size, self.device = worker, block_size, device
+        self.sliding_window = sliding_window
         self.scratch_block = scratch_block
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch_size] + [max_batch_size]
         self.width = max_blocks_per_seq
@@ -61,7 +63,8 @@ class CudaGraphRunner:
         rows = b * (k + 1)
         ids, pos = buf["input_ids"][:rows], buf["positions"][:rows]
         tables = buf["block_tables"][:b]
-        meta = build_attention_metadata(tables, k + 1, pos, self.block_size, backend="triton")
+        meta = build_attention_metadata(tables, k + 1, pos, self.block_size,
+                                        sliding_window=self.sliding_window, backend="triton")
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         inp = StepInputs(
             input_ids=ids, positions=pos, meta=meta, block_tables=tables, num_ctx=0,

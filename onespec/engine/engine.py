@@ -109,7 +109,7 @@ class Engine:
         if config.cuda_graphs and worker.attn_backend == "triton":
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
-                                     config.max_batch_size, self.device)
+                                     config.max_batch_size, self.device, mcfg.sliding_window)
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs)
         if graphs is not None:

@@ -8,9 +8,11 @@ from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import SamplingTensors
+from onespec.sampling_params import SamplingParams
 from onespec.spec.worker import SpecWorker, StepInputs
 
 PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
+GREEDY = SamplingParams(temperature=0.0)
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
 
 
@@ -19,6 +21,7 @@ class ModelRunner:
                  sliding_window: int | None = None, graphs=None):
         self.worker = worker
         self.graphs = graphs          # CudaGraphRunner or None
+        self._greedy: dict[int, SamplingTensors] = {}
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
@@ -101,15 +104,24 @@ class ModelRunner:
             shift_ids=as_long(shift),
             draft_tokens=as_long(draft_rows).view(len(batch.generation), k),
             draft_probs=self._draft_probs(batch.generation, draft_rows, k),
-            row_sampling=SamplingTensors.build(row_params, row_gens, dev),
+            row_sampling=self._sampling_rows(row_params, row_gens),
             gen_sampling=self._sampling(batch.generation),
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
             max_kv_draft=max_kv + k, block_size=self.block_size,
         )
 
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
-        return SamplingTensors.build([r.sampling_params for r in reqs],
-                                     [r.generator for r in reqs], self.device)
+        return self._sampling_rows([r.sampling_params for r in reqs],
+                                   [r.generator for r in reqs])
+
+    def _sampling_rows(self, params, generators) -> SamplingTensors:
+        """Sampling tensors per row; all-greedy batches reuse cached ones (no host copies)."""
+        if all(p.temperature == 0.0 for p in params) and not self.worker.use_rejection_sampling:
+            n = len(params)
+            if n not in self._greedy:
+                self._greedy[n] = SamplingTensors.build([GREEDY] * n, None, self.device)
+            return self._greedy[n]
+        return SamplingTensors.build(params, generators, self.device)
 
     def _draft_probs(self, reqs: list[Request], draft_rows, k: int):
         """q of each verified draft; drafts without one (padding) get a one-hot q."""

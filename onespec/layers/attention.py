@@ -10,7 +10,7 @@ sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,23 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
     mask |= (qp < 0) & (key == 0)           # padding rows see one key: no NaN rows
     meta.token_idx, meta.mask, meta.max_q = token_idx, mask.unsqueeze(1), max_q
     return meta
+
+
+def advance_decode_metadata(meta: AttentionMetadata, positions: torch.Tensor
+                            ) -> AttentionMetadata:
+    """Metadata of one row per request (q_lens == 1) moved to new positions [B]: the draft
+    loop's later steps reuse the gathered key slots and rebuild only what moved."""
+    if meta.kv_slots is None:
+        slots = (meta.block_tables[meta.token_req, positions // meta.block_size]
+                 * meta.block_size + positions % meta.block_size)
+        return replace(meta, positions=positions, slot_mapping=slots)
+    rows = meta.token_req
+    key = torch.arange(meta.kv_slots.shape[1], device=positions.device)[None, :]
+    mask = key <= positions[:, None]
+    if meta.sliding_window is not None:
+        mask &= key > positions[:, None] - meta.sliding_window
+    return replace(meta, positions=positions, slot_mapping=meta.kv_slots[rows, positions],
+                   mask=mask[:, None, None, :])
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):

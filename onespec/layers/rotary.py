@@ -51,11 +51,9 @@ class RotaryEmbedding:
         self.max_positions = max_positions
 
     def __call__(self, positions, q, k):
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k), in one pass over both."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+        x = torch.cat([q, k], dim=1)
+        x1, x2 = (x if x.dtype == torch.float32 else x.float()).chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype)
+        return out.split([q.shape[1], k.shape[1]], dim=1)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from onespec.layers.attention import AttentionMetadata, build_attention_metadata
+from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
+                                      build_attention_metadata)
 from onespec.layers.sampler import SamplingTensors, probs_from_logits, sample, sample_from_probs
 from onespec.spec.acceptance import forced_num_accepted, rejection_accept, strict_accept
 
@@ -116,11 +117,13 @@ class SpecWorker:
         h, pos = h[rows], inp.positions[rows]
         block_tables = inp.block_tables[inp.draft_reqs]
         drafts, probs = [], []
+        meta = None
         for step in range(k):
             if step > 0:
                 pos = pos + 1
                 meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
-                                                inp.max_kv_draft, None, self.attn_backend)
+                                                inp.max_kv_draft, None, self.attn_backend) \
+                    if meta is None else advance_decode_metadata(meta, pos)
                 h = self.drafter.forward(drafts[-1], pos, h, meta)
             token, q = self._pick(self.drafter.compute_logits(h), inp.draft_sampling)
             drafts.append(token)

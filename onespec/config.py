@@ -65,6 +65,7 @@ class Eagle3Config:
     acceptance_window: int | None = None
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+    draft_dtype: str = "auto"                          # head precision; auto = the target's
 
     def __post_init__(self):
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -97,6 +98,8 @@ class Eagle3Config:
             if not (self.acceptance_length_threshold >= 0.0):
                 raise ValueError("acceptance_length_threshold must be >= 0, "
                                  f"got {self.acceptance_length_threshold!r}")
+        if self.draft_dtype not in DTYPES:
+            raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
         if self.force_acceptance_length is not None:
             a = self.force_acceptance_length
             if not (1.0 <= a <= self.max_draft_len + 1):

@@ -245,3 +245,16 @@ def test_head_that_does_not_fit_fails_at_load(pair, tmp_path):
         spec_llm(target, str(tmp_path / "head"), 2)
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         spec_llm(target, target, 2)
+
+
+def test_lower_precision_head_stays_lossless(pair):
+    """A bf16 head over a float32 target: drafts change, output does not."""
+    target, _, heads, plain = pair
+    llm = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
+        heads["safeailab"], max_draft_len=3, draft_dtype="bfloat16"))
+    head = llm.engine.drafter.head
+    assert head.fc.weight.dtype == torch.bfloat16
+    assert head.layers[0].self_attn.k_cache.dtype == torch.bfloat16
+    assert llm.engine.model.lm_head.weight.dtype == torch.float32
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert_pool_full(llm)

@@ -93,8 +93,7 @@ class Engine:
             attn_layers += drafter.attention_layers
         num_blocks = self._num_kv_blocks(attn_layers, k)
         # one block past the pool is scratch space for the padding rows of CUDA graphs
-        allocate_kv_cache(attn_layers, num_blocks + 1, config.block_size, self.dtype,
-                          self.device)
+        allocate_kv_cache(attn_layers, num_blocks + 1, config.block_size, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids)
@@ -138,13 +137,14 @@ class Engine:
         if bad:
             raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
+        draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
         head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
-                                self.dtype, dummy=self.config.load_format == "dummy")
+                                draft_dtype, dummy=self.config.load_format == "dummy")
         return Eagle3Drafter(head.eval(), self.model, tuple(capture))
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(attn_layers, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
         blocks_per_seq = -(-(self.max_model_len + max(k + 1, 2 * k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks

@@ -34,14 +34,15 @@ class BlockPool:
         block_table.clear()
 
 
-def kv_bytes_per_block(attn_layers, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * itemsize for a in attn_layers)
+def kv_bytes_per_block(attn_layers, block_size: int) -> int:
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * a.o_proj.weight.element_size()
+               for a in attn_layers)
 
 
-def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, dtype, device):
-    """Gives each attention layer (target and draft alike) its slice of one block pool."""
+def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
+    """Gives each attention layer (target and draft alike) its slice of one block pool, in
+    the layer's own dtype (a draft head may run in a lower precision than its target)."""
     for a in attn_layers:
         shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
-        a.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        a.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        a.k_cache = torch.zeros(shape, dtype=a.o_proj.weight.dtype, device=device)
+        a.v_cache = torch.zeros_like(a.k_cache)

@@ -22,6 +22,7 @@ class Eagle3Drafter:
         self.capture_layers = capture_layers
         self.embed = head.embed_tokens if head.embed_tokens is not None \
             else target.model.embed_tokens
+        self.dtype = head.fc.weight.dtype    # may be below the target's: drafts are verified
 
     @property
     def attention_layers(self):
@@ -32,10 +33,11 @@ class Eagle3Drafter:
         return self.head.config.draft_vocab_size
 
     def initial_hidden(self, captured, final_hidden):
-        return self.head.fc(captured)                                       # [T, H]
+        return self.head.fc(captured.to(self.dtype))                        # [T, H]
 
     def forward(self, input_ids, positions, hidden, meta):
-        return self.head(self.embed(input_ids), hidden, positions, meta)    # [T, H]
+        embeds = self.embed(input_ids).to(self.dtype)
+        return self.head(embeds, hidden, positions, meta)                   # [T, H]
 
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)                             # [N, Vd]

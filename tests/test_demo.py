@@ -1,0 +1,40 @@
+"""The bundled demo pair and `onespec demo` (smoke mode)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from onespec import LLM, Eagle3Config, SamplingParams
+from onespec.demo import DEMO_DIR, HEAD_DIR, TARGET_DIR
+
+
+def test_bundled_pair_fits_and_loads_in_transformers():
+    size = sum(os.path.getsize(os.path.join(root, f))
+               for d in (TARGET_DIR, HEAD_DIR) for root, _, files in os.walk(d) for f in files)
+    assert size <= 25 * 1000 * 1000, size
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(TARGET_DIR)
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32)
+    prompt = tok.encode("def add(a, b):\n")
+    ids = torch.tensor([prompt])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                      do_sample=False, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    llm = LLM(TARGET_DIR, device="cpu", dtype="float32",
+              speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=4))
+    out = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert llm.stats()["num_draft_tokens"] > 0
+
+
+def test_demo_smoke_runs():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "onespec", "demo", "--smoke", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "identical output to plain decoding: yes" in proc.stdout
+    assert "acceptance length:" in proc.stdout and "speedup:" in proc.stdout
+    assert os.path.isdir(DEMO_DIR)

@@ -36,7 +36,6 @@ import argparse
 import gzip
 import json
 import math
-import os
 import random
 import sys
 import time

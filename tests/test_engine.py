@@ -23,15 +23,6 @@ def make_prompts(lens, vocab: int = 128, seed: int = 3) -> list[list[int]]:
 PROMPTS = make_prompts((5, 12, 1, 30, 9, 17, 3, 22))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and does not thrash on a busy machine."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
-
-
 _REFS: dict[int, list[int]] = {}
 
 

@@ -17,15 +17,6 @@ from onespec.models.llama import ARCHITECTURES
 ARCH = "llama"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and does not thrash on a busy machine."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
-
-
 @pytest.fixture
 def model_copy(tiny_models, tmp_path):
     """A writable copy of the tiny llama checkpoint."""

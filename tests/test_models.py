@@ -28,15 +28,6 @@ def make_prompts(lens=PROMPT_LENS, vocab: int = 128, seed: int = 0) -> list[list
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and does not thrash on a busy machine."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
-
-
 _HF_REFS: dict[str, list[list[int]]] = {}
 
 

@@ -13,7 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -57,14 +56,6 @@ def write_tokenizer(path, vocab_size: int = VOCAB_SIZE, chat_template: str | Non
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

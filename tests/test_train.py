@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from onespec.layers.norm import RMSNorm
-from onespec.layers.rotary import RotaryEmbedding, rope_settings
+from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
 
 

@@ -97,7 +97,7 @@ class SpecWorker:
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
                  num_accepted):
-        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        bg, k = inp.num_gen, inp.k
         device = inp.input_ids.device
         empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64, device=device)
         if self.drafter is None:

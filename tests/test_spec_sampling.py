@@ -1,0 +1,91 @@
+"""Sampled speculative decoding keeps the target's distribution (SPEC.md §4): exact-match
+acceptance (default) and rejection sampling, checked against the exact joint distribution
+of the first three tokens computed with transformers, by a chi-square test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_pool_full, make_hf_model
+from onespec import LLM, Eagle3Config, SamplingParams
+from onespec.layers.sampler import probs_from_logits
+from train_utils import trained_head
+
+VOCAB, PROMPT, NUM_SAMPLES = 16, [3, 7, 1, 12, 5], 12000
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tdir = tmp_path_factory.mktemp("target")
+    hf = make_hf_model(tdir, "llama", num_layers=5, vocab_size=VOCAB, hidden_size=64, seed=4)
+    head = trained_head(str(tdir), str(tmp_path_factory.mktemp("head")), "safeailab")
+    return str(tdir), hf, head
+
+
+def exact_joint(hf, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """P(t1, t2, t3 | PROMPT) under the filtered sampling distribution. [V, V, V]"""
+    def probs(seqs):
+        with torch.no_grad():
+            logits = hf(torch.tensor(seqs)).logits[:, -1].float()
+        n = len(seqs)
+        return probs_from_logits(logits, torch.full((n,), temperature),
+                                 torch.full((n,), top_k), torch.full((n,), top_p))
+    v = range(VOCAB)
+    p1 = probs([PROMPT])[0]
+    p2 = probs([PROMPT + [a] for a in v])                                    # [V, V]
+    p3 = probs([PROMPT + [a, b] for a in v for b in v]).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_pvalue(samples: list[list[int]], joint: torch.Tensor) -> float:
+    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+    for t in samples:
+        counts[(t[0] * VOCAB + t[1]) * VOCAB + t[2]] += 1
+    expected = joint.flatten().double() * len(samples)
+    big = expected >= 5                       # pool the sparse cells into one
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         stat / 2))
+
+
+def sample_many(llm, sp) -> list[list[int]]:
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, sp)
+    assert_pool_full(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+CASES = [
+    dict(rejection=False, temperature=1.0, top_k=0, top_p=1.0),
+    dict(rejection=True, temperature=1.0, top_k=0, top_p=1.0),
+    dict(rejection=True, temperature=0.8, top_k=6, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["exact-match", "rejection", "rejection-topk-topp"])
+def test_sampled_speculation_keeps_target_distribution(setup, case):
+    target, hf, head = setup
+    sp = SamplingParams(max_tokens=3, temperature=case["temperature"], top_k=case["top_k"],
+                        top_p=case["top_p"], ignore_eos=True)
+    llm = LLM(target, device="cpu", dtype="float32", max_batch_size=256, seed=11,
+              speculative_config=Eagle3Config(head, max_draft_len=2,
+                                              use_rejection_sampling=case["rejection"]))
+    samples = sample_many(llm, sp)
+    stats = llm.stats()
+    assert stats["num_accepted_draft_tokens"] > 0.1 * NUM_SAMPLES   # drafts really accepted
+    joint = exact_joint(hf, case["temperature"], case["top_k"], case["top_p"])
+    assert chi_square_pvalue(samples, joint) > 1e-4
+
+
+def test_chi_square_has_power(setup):
+    """Control: accepting every draft (forced acceptance) is not lossless, and the test says so."""
+    target, hf, head = setup
+    sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    llm = LLM(target, device="cpu", dtype="float32", max_batch_size=256, seed=11,
+              speculative_config=Eagle3Config(head, max_draft_len=2,
+                                              force_acceptance_length=3.0))
+    samples = sample_many(llm, sp)
+    assert chi_square_pvalue(samples, exact_joint(hf, 1.0, 0, 1.0)) < 1e-6

@@ -2,6 +2,11 @@
 reference, checkpoint formats, schedules, gate, forced acceptance, metrics."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,3 +263,31 @@ def test_lower_precision_head_stays_lossless(pair):
     assert llm.engine.model.lm_head.weight.dtype == torch.float32
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
     assert_pool_full(llm)
+
+
+def test_head_from_pytorch_model_bin(pair, tmp_path):
+    """Published heads also ship pytorch_model.bin; it is read with weights_only=True."""
+    from safetensors.torch import load_file
+    target, _, heads, plain = pair
+    shutil.copy(f"{heads['safeailab']}/config.json", tmp_path / "config.json")
+    torch.save(load_file(f"{heads['safeailab']}/model.safetensors"),
+               tmp_path / "pytorch_model.bin")
+    runs = []
+    for head in (heads["safeailab"], str(tmp_path)):
+        llm = spec_llm(target, head, 3)
+        outs = llm.generate(PROMPTS, GREEDY)
+        runs.append((token_ids(outs), llm.stats()))
+    assert runs[0] == runs[1]
+    assert runs[1][0] == plain
+
+
+def test_cli_generate_with_draft_prints_acceptance(pair):
+    target, _, heads, plain = pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "onespec", "generate", "--model", target, "--draft",
+         heads["safeailab"], "--k", "3", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
+         "--max-tokens", "20", "--ignore-eos", "--device", "cpu", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(t) for t in plain[1]]
+    assert "acceptance length" in proc.stderr and "drafts accepted" in proc.stderr

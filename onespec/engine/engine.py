@@ -14,7 +14,8 @@ from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import Scheduler
 from onespec.engine.stats import SpecStats
-from onespec.models.eagle3 import capture_from_aux_ids, default_capture_layers
+from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
+                                    default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.llama import DecoderConfig, LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
@@ -124,7 +125,6 @@ class Engine:
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config) -> Eagle3Drafter:
-        from onespec.models.eagle3 import Eagle3HeadConfig
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = self.model.config.num_hidden_layers
         if sc.layers_to_capture is not None:
@@ -235,10 +235,6 @@ class Engine:
                 if req.metrics.num_draft_tokens:
                     self.gate.record(req.metrics.acceptance_length)
         return advanced
-
-    @property
-    def kv_pool_full(self) -> bool:
-        return self.pool.num_free_blocks == self.pool.num_blocks
 
     def num_running(self) -> int:
         return sum(r.status == RequestStatus.RUNNING for r in self.scheduler.running)

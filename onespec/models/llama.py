@@ -99,7 +99,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
+    def project(self, x, positions, rotary: RotaryEmbedding):
+        """x [T, in] -> q [T, Hq, D], k, v [T, Hkv, D], with q/k norm and RoPE applied."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -107,6 +108,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
+        return q, k, v
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        q, k, v = self.project(x, positions, rotary)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

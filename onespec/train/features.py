@@ -27,16 +27,8 @@ def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 def project_qkv(attn: Attention, x, positions, rotary):
     """x [B, T, in] -> q [B, Hq, T, D], k, v [B, Hkv, T, D] with RoPE at positions [B, T]."""
     b, t, _ = x.shape
-    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.reshape(b * t, attn.num_heads, attn.head_dim)
-    k = k.reshape(b * t, attn.num_kv_heads, attn.head_dim)
-    v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rotary(positions.reshape(-1), q, k)
-    q = q.view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = k.view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    return q, k, v.transpose(1, 2)
+    q, k, v = attn.project(x.reshape(b * t, -1), positions.reshape(-1), rotary)
+    return tuple(y.view(b, t, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
 
 
 def causal_attention(attn: Attention, x, positions, rotary, sliding_window: int | None):

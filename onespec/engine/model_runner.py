@@ -16,6 +16,14 @@ GREEDY = SamplingParams(temperature=0.0)
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
 
 
+def drafting_requests(batch: ScheduledBatch) -> list[int]:
+    """Batch indices of the requests that draft this step: context chunks that complete
+    their prompt, then every generation request."""
+    num_ctx = len(batch.context)
+    return [i for i, c in enumerate(batch.context) if c.is_last] + \
+        list(range(num_ctx, num_ctx + len(batch.generation)))
+
+
 class ModelRunner:
     def __init__(self, worker: SpecWorker, block_size: int, device, vocab_size: int,
                  sliding_window: int | None = None, graphs=None):
@@ -41,9 +49,7 @@ class ModelRunner:
         num_acc, flat = flat[:bg], flat[bg:]
         kd = res.drafts.shape[1]
         drafts: list[list[int]] = [[] for _ in range(bc + bg)]
-        drafting = [i for i, c in enumerate(batch.context) if c.is_last] + \
-            list(range(bc, bc + bg))
-        for row, i in enumerate(drafting if kd else []):
+        for row, i in enumerate(drafting_requests(batch) if kd else []):
             drafts[i] = flat[row * kd:(row + 1) * kd]
             if res.draft_probs is not None:
                 batch.requests[i].draft_probs = res.draft_probs[row]
@@ -57,7 +63,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k
         ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
-        draft_ctx_rows, draft_reqs = [], []
+        draft_ctx_rows = []
         row_params, row_gens = [], []
         for c in batch.context:
             tokens = c.req.token_ids
@@ -69,7 +75,6 @@ class ModelRunner:
             ctx_last.append(len(ids) - 1)
             if c.is_last:
                 draft_ctx_rows.append(len(ids) - 1)
-                draft_reqs.append(len(q_lens) - 1)
             logit_rows.append(len(ids) - 1)
             row_params.append(c.req.sampling_params)
             row_gens.append(c.req.generator if c.is_last else None)  # no token: no draw
@@ -87,7 +92,7 @@ class ModelRunner:
             row_params += [req.sampling_params] * (k + 1)
             row_gens += [req.generator] * (k + 1)
         reqs = batch.requests
-        draft_reqs += range(len(batch.context), len(reqs))
+        draft_reqs = drafting_requests(batch)
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
         width = max(len(r.block_table) for r in reqs)

@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
-from onespec.layers.sampler import SamplingTensors
-from onespec.sampling_params import SamplingParams
+from onespec.layers.sampler import GreedySampling
 from onespec.spec.worker import SpecWorker, StepInputs
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -29,12 +28,11 @@ class CudaGraphRunner:
         self.scratch_block = scratch_block
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch_size] + [max_batch_size]
         self.width = max_blocks_per_seq
-        self.graphs: dict[tuple, tuple] = {}     # key -> (graph, output, its input tensors)
+        self.graphs: dict[tuple, tuple] = {}     # (bucket, K, forced acceptance) -> (graph, out)
         self.pool = torch.cuda.graph_pool_handle()
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
         self.num_replays = 0
-        greedy = SamplingParams(temperature=0.0)
-        self._greedy = lambda n: SamplingTensors.build([greedy] * n, None, device)
+        self.greedy = GreedySampling(device)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]
@@ -72,8 +70,8 @@ class CudaGraphRunner:
             ctx_last_rows=empty, draft_ctx_rows=empty,
             draft_reqs=torch.arange(b, device=self.device), gen_start=0,
             shift_ids=torch.full_like(ids, -1), draft_tokens=buf["draft_tokens"][:b],
-            draft_probs=None, row_sampling=self._greedy_st[rows], gen_sampling=self._greedy_st[b],
-            draft_sampling=self._greedy_st[b], max_kv_draft=0, block_size=self.block_size)
+            draft_probs=None, row_sampling=self.greedy(rows), gen_sampling=self.greedy(b),
+            draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size)
         res = self.worker.step(inp)
         return torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
 
@@ -83,17 +81,16 @@ class CudaGraphRunner:
         todo = [b for b in sorted(buckets or self.buckets, reverse=True)
                 if (b, k, key_a) not in self.graphs]
         for b in tqdm(todo, desc=f"capturing CUDA graphs (K={k})", leave=False):
-            self._greedy_st = {n: self._greedy(n) for n in (b, b * (k + 1))}
             self._buffers(k)["block_tables"].fill_(self.scratch_block)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._step(b, k)                         # warm-up: compiles kernels
+                self._step(b, k)             # warm-up: compiles kernels, builds inputs
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(b, k)
-            self.graphs[(b, k, key_a)] = (graph, out, self._greedy_st)
+            self.graphs[(b, k, key_a)] = (graph, out)
 
     # ---- replay ------------------------------------------------------------------------
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[list[int]], list[list[int]]]:
@@ -103,7 +100,7 @@ class CudaGraphRunner:
         key = (b, k, self.worker.force_acceptance_length)
         if key not in self.graphs:
             self.capture(k, [b])
-        graph, out, _ = self.graphs[key]
+        graph, out = self.graphs[key]
         buf = self._buffers(k)
         ids, pos, tables, drafts = [], [], [], []
         for r in reqs:

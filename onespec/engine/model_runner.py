@@ -7,12 +7,10 @@ import torch
 from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
-from onespec.layers.sampler import SamplingTensors
-from onespec.sampling_params import SamplingParams
+from onespec.layers.sampler import GreedySampling, SamplingTensors
 from onespec.spec.worker import SpecWorker, StepInputs
 
 PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
-GREEDY = SamplingParams(temperature=0.0)
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
 
 
@@ -29,7 +27,7 @@ class ModelRunner:
                  sliding_window: int | None = None, graphs=None):
         self.worker = worker
         self.graphs = graphs          # CudaGraphRunner or None
-        self._greedy: dict[int, SamplingTensors] = {}
+        self.greedy = GreedySampling(device)
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
@@ -122,10 +120,7 @@ class ModelRunner:
     def _sampling_rows(self, params, generators) -> SamplingTensors:
         """Sampling tensors per row; all-greedy batches reuse cached ones (no host copies)."""
         if all(p.temperature == 0.0 for p in params) and not self.worker.use_rejection_sampling:
-            n = len(params)
-            if n not in self._greedy:
-                self._greedy[n] = SamplingTensors.build([GREEDY] * n, None, self.device)
-            return self._greedy[n]
+            return self.greedy(len(params))
         return SamplingTensors.build(params, generators, self.device)
 
     def _draft_probs(self, reqs: list[Request], draft_rows, k: int):

@@ -114,6 +114,21 @@ class SamplingTensors:
         )
 
 
+class GreedySampling:
+    """All-greedy SamplingTensors per row count, built once per count: steps of greedy
+    batches make no host copies, and CUDA graphs keep pointing at the same tensors."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self._cache: dict[int, SamplingTensors] = {}
+
+    def __call__(self, num_rows: int) -> SamplingTensors:
+        if num_rows not in self._cache:
+            params = [SamplingParams(temperature=0.0)] * num_rows
+            self._cache[num_rows] = SamplingTensors.build(params, None, self.device)
+        return self._cache[num_rows]
+
+
 def sample(logits: Tensor,                # [N, V]
            st: SamplingTensors,
            default_generator: torch.Generator | None = None) -> Tensor:  # [N] int64

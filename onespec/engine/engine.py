@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import torch
 
@@ -113,9 +112,7 @@ class Engine:
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs)
         if graphs is not None:
-            start = time.perf_counter()
             graphs.capture(k)
-            self.graph_capture_s = time.perf_counter() - start
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
                                     sc.acceptance_length_threshold if sc else None)
         self.stats = SpecStats(k)

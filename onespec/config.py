@@ -31,7 +31,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85
     seed: int = 0
     load_format: str = "auto"          # "dummy": random weights from config.json (benchmarks)
-    attention_backend: str = "auto"    # "torch" | "triton"; auto = triton on CUDA
+    # "torch" (portable) | "triton" (Triton attention, plus fused Triton linear, norm and
+    # rotary kernels for decode-sized batches); auto = triton on CUDA
+    attention_backend: str = "auto"
     cuda_graphs: bool = True           # graph the generation step (CUDA + triton only)
 
     def __post_init__(self):

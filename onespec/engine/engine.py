@@ -104,8 +104,12 @@ class Engine:
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
                             generator=self.generator,
                             attn_backend=self._attention_backend())
+        fast = worker.attn_backend == "triton"     # Triton kernels for decode-sized batches
+        self.model.fast_kernels = fast
+        if drafter is not None:
+            drafter.head.fast_kernels = fast
         graphs = None
-        if config.cuda_graphs and worker.attn_backend == "triton":
+        if config.cuda_graphs and fast:
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)

@@ -93,6 +93,11 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """q [T, Hq, D], k/v [T, Hkv, D]; k_cache/v_cache [num_slots, Hkv, D]. Returns [T, Hq, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    return cached_attention(q, k_cache, v_cache, meta, scale)
+
+
+def cached_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """paged_attention once the rows' own keys and values are in the cache."""
     if meta.kv_slots is None:
         from onespec.layers.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_req,
@@ -104,5 +109,5 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     queries[meta.token_req, meta.token_idx] = q
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
                                          attn_mask=meta.mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+                                         enable_gqa=q.shape[1] != k_cache.shape[1])
     return out.transpose(1, 2)[meta.token_req, meta.token_idx]               # [T, Hq, D]

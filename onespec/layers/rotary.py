@@ -49,6 +49,8 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)                                    # [P, D/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(device)  # [P, D]
         self.max_positions = max_positions
+        half = head_dim // 2
+        self.fused_ok = head_dim % 2 == 0 and half & (half - 1) == 0   # Triton: 2^n halves
 
     def __call__(self, positions, q, k):
         """q [T, Hq, D], k [T, Hk, D] -> rotated (q, k), in one pass over both."""

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from onespec.layers.triton_linear import pdl_launch, pdl_supported
+
 NO_WINDOW = 1 << 30
 
 
@@ -22,7 +24,10 @@ def _paged_attention_kernel(
         scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr):
+        IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(TOKEN_REQ + row)
@@ -67,15 +72,19 @@ def _paged_attention_kernel(
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
-                           scale: float, block_size: int, window: int | None = None):
+                           scale: float, block_size: int, window: int | None = None,
+                           config: tuple[int, int, int] | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
-    Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache."""
+    Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
+    config: (BLOCK_N, num_warps, num_stages) instead of the default."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
+    block_n, warps, stages = config or (64 if head_dim <= 128 else 32, 4, 3)
+    pdl = pdl_supported(q.device)
     grid = (num_rows, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out,
@@ -83,5 +92,6 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         out.stride(0), out.stride(1), scale, window or NO_WINDOW,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32)
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=warps,
+        num_stages=stages, **pdl_launch(pdl))
     return out

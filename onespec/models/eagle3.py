@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from onespec.layers.linear import fused_linear
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
@@ -74,13 +75,15 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None):
+    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, fast=False):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         a = torch.cat([self.input_layernorm(embeds), normed], dim=-1)       # [T, 2H]
-        attn = self.self_attn if attn_fn is None else attn_fn
-        h = residual + attn(a, positions, rotary, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if attn_fn is None:
+            h = self.self_attn(a, positions, rotary, meta, residual=residual, fast=fast)
+        else:
+            h = residual + attn_fn(a, positions, rotary, meta)
+        return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
 
 
 class Eagle3Head(nn.Module):
@@ -100,6 +103,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
                              if has_map else None)
         self.rotary: RotaryEmbedding | None = None
+        self.fast_kernels = False     # Triton decode kernels (set by the engine on CUDA)
 
     def setup_rotary(self, max_positions: int, device):
         d = self.config.decoder
@@ -108,13 +112,15 @@ class Eagle3Head(nn.Module):
 
     def forward(self, embeds, hidden, positions, meta):
         """embeds [T, H] (token embeddings), hidden [T, H] -> pre-norm output [T, H]."""
-        h = self.layers[0](embeds, hidden, positions, self.rotary, meta)
+        fast = self.fast_kernels
+        h = self.layers[0](embeds, hidden, positions, self.rotary, meta, fast=fast)
         for layer in self.layers[1:]:
-            h = layer(h, positions, self.rotary, meta)
+            h = layer(h, positions, self.rotary, meta, fast)
         return h
 
     def compute_logits(self, hidden):
-        return self.lm_head(self.norm(hidden)).float()                      # [N, Vd]
+        return fused_linear(self.lm_head, hidden, norm=self.norm, out_dtype=torch.float32,
+                            fast=self.fast_kernels)                         # [N, Vd]
 
     def to_target_ids(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

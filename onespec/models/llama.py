@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from onespec.layers.attention import AttentionMetadata, paged_attention
+from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
+from onespec.layers.linear import fused_linear
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -101,7 +102,10 @@ class Attention(nn.Module):
 
     def project(self, x, positions, rotary: RotaryEmbedding):
         """x [T, in] -> q [T, Hq, D], k, v [T, Hkv, D], with q/k norm and RoPE applied."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._heads(self.qkv_proj(x), positions, rotary)
+
+    def _heads(self, qkv, positions, rotary: RotaryEmbedding):
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -110,10 +114,22 @@ class Attention(nn.Module):
         q, k = rotary(positions, q, k)
         return q, k, v
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
-        q, k, v = self.project(x, positions, rotary)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata, *,
+                norm: RMSNorm | None = None, residual=None, fast: bool = False):
+        """(residual +) o_proj(attention(qkv_proj(norm(x)))); `fast`: Triton kernels."""
+        qkv = fused_linear(self.qkv_proj, x, norm=norm, fast=fast)
+        if fast and rotary.fused_ok:
+            from onespec.layers.triton_linear import rope_and_cache
+            q = rope_and_cache(qkv, positions, rotary.cos_sin, meta.slot_mapping, self.k_cache,
+                               self.v_cache, self.num_heads, self.num_kv_heads,
+                               *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                                 if self.qk_norm else ()))
+            out = cached_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            q, k, v = self._heads(qkv, positions, rotary)
+            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return fused_linear(self.o_proj, out.reshape(-1, self.q_size), residual=residual,
+                            fast=fast)
 
 
 class MLP(nn.Module):
@@ -122,9 +138,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x, norm: RMSNorm | None = None, residual=None, fast: bool = False):
+        """(residual +) down(silu(gate(norm(x))) * up(norm(x)))."""
+        act = fused_linear(self.gate_up_proj, x, norm=norm, gated=True, fast=fast)
+        return fused_linear(self.down_proj, act, residual=residual, fast=fast)
 
 
 class DecoderLayer(nn.Module):
@@ -135,9 +152,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, h, positions, rotary, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, rotary, meta, fast: bool = False):
+        h = self.self_attn(h, positions, rotary, meta, norm=self.input_layernorm, residual=h,
+                           fast=fast)
+        return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
 
 
 class LlamaModel(nn.Module):
@@ -160,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
+        self.fast_kernels = False     # Triton decode kernels (set by the engine on CUDA)
 
     def setup_rotary(self, max_positions: int, device):
         cfg = self.config
@@ -171,11 +190,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         saved = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, self.rotary, meta)
+            h = layer(h, positions, self.rotary, meta, self.fast_kernels)
             if i in capture:
                 saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden).float()                                  # [N, V]
+        return fused_linear(self.lm_head, hidden, out_dtype=torch.float32,
+                            fast=self.fast_kernels)                          # [N, V]

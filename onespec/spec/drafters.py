@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from onespec.layers.linear import fused_linear
 from onespec.models.eagle3 import Eagle3Head
 from onespec.models.llama import LlamaForCausalLM
 
@@ -33,7 +34,8 @@ class Eagle3Drafter:
         return self.head.config.draft_vocab_size
 
     def initial_hidden(self, captured, final_hidden):
-        return self.head.fc(captured.to(self.dtype))                        # [T, H]
+        return fused_linear(self.head.fc, captured.to(self.dtype),
+                            fast=self.head.fast_kernels)                    # [T, H]
 
     def forward(self, input_ids, positions, hidden, meta):
         embeds = self.embed(input_ids).to(self.dtype)

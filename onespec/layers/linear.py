@@ -1,0 +1,39 @@
+"""One entry point for the linear layers of a decoder, with the work around them fused.
+
+`fused_linear(layer, x, norm=..., gated=..., residual=...)` computes
+
+    y = layer(norm(x))                     (norm optional)
+    y = silu(y[:, :N]) * y[:, N:]          (gated: the layer holds [gate; up] rows)
+    y = residual + y                       (residual optional)
+
+With `fast` set (CUDA, Triton available) and a decode-sized batch it runs as one Triton
+kernel that streams the weight once (layers/triton_linear.py); otherwise, and always on the
+CPU or under autograd, as the PyTorch operations above, which are also the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onespec.layers.norm import RMSNorm
+
+MAX_FAST_ROWS = 16      # = triton_linear.MAX_ROWS; kept here so the CPU never imports Triton
+
+
+def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = None,
+                 gated: bool = False, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, fast: bool = False) -> torch.Tensor:
+    if fast and x.shape[0] <= MAX_FAST_ROWS and x.dim() == 2 and not torch.is_grad_enabled():
+        from onespec.layers.triton_linear import small_linear
+        return small_linear(x, layer.weight, layer.bias,
+                            norm_weight=None if norm is None else norm.weight,
+                            eps=1e-6 if norm is None else norm.eps, gated=gated,
+                            residual=residual, out_dtype=out_dtype)
+    y = layer(x if norm is None else norm(x))
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = residual + y
+    return y if out_dtype is None else y.to(out_dtype)

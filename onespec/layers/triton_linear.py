@@ -1,0 +1,231 @@
+"""Triton kernels for decode-sized batches on CUDA, where every step is a stream of weights.
+
+A decode step of a batch of a few rows reads each weight matrix once and does almost no
+arithmetic, so its time is the time to stream the weights. cuBLAS picks GEMM tilings meant
+for large batches and leaves about 15 % of the bandwidth unused at one row, and a plain
+PyTorch layer adds a kernel for every norm, activation, residual add and rotary step. The
+kernels here stream W once per call with the small work fused around it:
+
+- `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, with an optional RMSNorm
+  of x before it (`norm_weight`), a gated SiLU after it (W holds [gate; up] rows and the
+  result is silu(gate) * up), and an optional residual added after it.
+- `rope_and_cache`: splits a fused qkv projection into heads, applies the optional per-head
+  q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache and
+  returns the rotated queries.
+
+Every row is computed with the same loads and the same order of additions whatever the
+number of rows, and each program owns whole output columns, so results never depend on
+how rows are batched. The portable PyTorch versions in layers/fused.py are the reference.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_ROWS = 16        # more rows than this: cuBLAS (the weights are read once per tile row)
+
+
+@triton.jit
+def _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM: tl.constexpr, GATED: tl.constexpr,
+                IEEE: tl.constexpr):
+    if NORM:
+        # RMSNorm folded in: y = rstd * ((x * norm_weight) @ W.T), rstd from the same tiles
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        x = (xf * nw.to(tl.float32)[None, :]).to(w.dtype)
+    if IEEE:   # float32 weights, or Triton's interpreter (whose bf16 dot is wrong)
+        xf = x.to(tl.float32)
+        acc += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if GATED:
+            acc_up += tl.dot(xf, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+    else:
+        acc += tl.dot(x, tl.trans(w))
+        if GATED:
+            acc_up += tl.dot(x, tl.trans(wu))
+    return acc, acc_up, sq
+
+
+@triton.jit
+def _small_linear_kernel(
+        X, W, BIAS, NORM_W, RES, Y,
+        M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
+    # the same instructions; the loop's loads are software-pipelined (num_stages).
+    pid = tl.program_id(0)
+    m = tl.arange(0, 16)
+    m_ok = m < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
+    # The first weight tile does not depend on the previous kernel: under programmatic
+    # dependent launch it streams while that kernel finishes.
+    w_mask = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    wu = w
+    if GATED:
+        wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    sq = tl.zeros([16, BLOCK_K], tl.float32)
+    x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    nw = tl.load(NORM_W + k, mask=k < K, other=0.0) if NORM else k
+    acc, acc_up, sq = _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM, GATED, IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k_ok = k0 + k < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        if GATED:
+            wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(NORM_W + k0 + k, mask=k_ok, other=0.0)
+        acc, acc_up, sq = _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM, GATED, IEEE)
+    y = acc
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)                           # [16]
+        y = y * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    if HAS_BIAS:
+        y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(BIAS + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y * tl.sigmoid(y) * up
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+        # the projection is rounded to the stream's dtype before the add, as in PyTorch
+        y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], y.to(Y.dtype.element_ty), mask=out_ok)
+
+
+def _config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    return (16, 256, 4, 4) if gated else (32, 256, 4, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starts while its predecessor finishes and
+    waits for it with gdc_wait): Hopper or newer, compiled Triton; ONESPEC_PDL=0 disables."""
+    return (device.type == "cuda" and not INTERPRETED
+            and os.environ.get("ONESPEC_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def pdl_launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 gated: bool = False, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None,
+                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the tuned choice."""
+    m, k = x.shape
+    rows, k_w = weight.shape
+    if k_w != k or m > MAX_ROWS:
+        raise ValueError(f"small_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         f"need equal K and at most {MAX_ROWS} rows")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n = rows // 2 if gated else rows
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, block_k, warps, stages = config or _config(n, k, gated)
+    res = residual if residual is not None else out
+    pdl = pdl_supported(x.device)
+    _small_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight,
+        norm_weight if norm_weight is not None else weight, res, out,
+        m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, num_warps=warps,
+        num_stages=stages, **pdl_launch(pdl))
+    return out
+
+
+@triton.jit
+def _rope_cache_kernel(
+        QKV, COS_SIN, POSITIONS, SLOTS, Q_NORM_W, K_NORM_W, Q_OUT, K_CACHE, V_CACHE,
+        stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, eps,
+        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    head = tl.program_id(1)              # q heads, then kv heads
+    d = tl.arange(0, HALF)
+    is_q = head < NUM_Q_HEADS
+    base = QKV + row * stride_qkv + head * 2 * HALF
+    x1 = tl.load(base + d).to(tl.float32)
+    x2 = tl.load(base + HALF + d).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        if is_q:
+            w1 = tl.load(Q_NORM_W + d).to(tl.float32)
+            w2 = tl.load(Q_NORM_W + HALF + d).to(tl.float32)
+        else:
+            w1 = tl.load(K_NORM_W + d).to(tl.float32)
+            w2 = tl.load(K_NORM_W + HALF + d).to(tl.float32)
+        dt = Q_OUT.dtype.element_ty
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    pos = tl.load(POSITIONS + row)
+    cos = tl.load(COS_SIN + pos * stride_cs + d)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_q:
+        out = Q_OUT + row * stride_qt + head * stride_qh
+        tl.store(out + d, o1.to(Q_OUT.dtype.element_ty))
+        tl.store(out + HALF + d, o2.to(Q_OUT.dtype.element_ty))
+    else:
+        kv_head = head - NUM_Q_HEADS
+        slot = tl.load(SLOTS + row).to(tl.int64)
+        dst = slot * stride_ct + kv_head * stride_ch
+        tl.store(K_CACHE + dst + d, o1.to(K_CACHE.dtype.element_ty))
+        tl.store(K_CACHE + dst + HALF + d, o2.to(K_CACHE.dtype.element_ty))
+        v = QKV + row * stride_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * 2 * HALF
+        tl.store(V_CACHE + dst + d, tl.load(v + d))
+        tl.store(V_CACHE + dst + HALF + d, tl.load(v + HALF + d))
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, q_norm_weight=None, k_norm_weight=None,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v go to cache slots."""
+    t = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    qk_norm = q_norm_weight is not None
+    _rope_cache_kernel[(t, num_heads + num_kv_heads)](
+        qkv, cos_sin, positions, slot_mapping,
+        q_norm_weight if qk_norm else cos_sin, k_norm_weight if qk_norm else cos_sin,
+        q, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+        QK_NORM=qk_norm, PDL=pdl_supported(qkv.device), num_warps=1,
+        **pdl_launch(pdl_supported(qkv.device)))
+    return q

@@ -3,8 +3,8 @@
 # programmatic dependent launch), the 8B step profile and the batch-1/32 decode benchmark.
 # Results land in $OUT.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-ONESPEC_TEST_DEVICE=cuda timeout 200 python -m pytest tests/test_triton_kernels.py \
-  tests/test_cuda.py tests/test_spec.py -q -x -p no:cacheprovider > $OUT/cuda_tests.log 2>&1
+ONESPEC_TEST_DEVICE=cuda timeout 200 python -m pytest tests/test_triton_kernels.py ${TESTS:-tests/test_cuda.py} \
+  -q -x -p no:cacheprovider > $OUT/cuda_tests.log 2>&1
 tail -3 $OUT/cuda_tests.log
 if [ -z "$NO_SWEEP" ]; then
 timeout ${SWEEP_S:-200} python scripts/sweep_small_linear.py --rows ${ROWS:-1,4,16} \

@@ -30,8 +30,9 @@ SHAPES = {
     "down": (4096, 14336, "residual", 32),
     "lm_head": (128256, 4096, "fp32-out", 4),
 }
-LINEAR_GRID = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 5)))
-ATTN_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+LINEAR_GRID = list(itertools.product((32, 64), (256,), (4,), (4, 5)))
+GATED_GRID = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+ATTN_GRID = list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
 ATTN_CONTEXTS = (256, 1024)
 
 
@@ -132,9 +133,11 @@ def main():
             out.write(line + "\n")
             out.flush()
 
-    linear_grid = LINEAR_GRID if args.grid else []
+    def linear_grid(shape):
+        return [] if not args.grid else GATED_GRID if "gated" in SHAPES[shape][2] \
+            else LINEAR_GRID
     attn_grid = ATTN_GRID if args.grid else []
-    jobs = [("linear", s, 1, c) for s in shapes for c in linear_grid]
+    jobs = [("linear", s, 1, c) for s in shapes for c in linear_grid(s)]
     if args.attention:
         jobs += [("attention", 256, 1, c) for c in attn_grid]
     with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
@@ -171,7 +174,7 @@ def main():
         for rows in rows_list:
             run, nbytes, calls = linear_call(name, rows)
             sweep({"shape": name, "rows": rows}, run, nbytes, calls,
-                  linear_grid if rows == rows_list[0] else [], baseline="cublas")
+                  linear_grid(name) if rows == rows_list[0] else [], baseline="cublas")
             del run
             torch.cuda.empty_cache()
     if args.attention:

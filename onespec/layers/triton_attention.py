@@ -83,7 +83,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
-    block_n, warps, stages = config or (64 if head_dim <= 128 else 32, 4, 3)
+    block_n, warps, stages = config or (128 if head_dim <= 128 else 32, 4, 3)
     pdl = pdl_supported(q.device)
     grid = (num_rows, num_kv_heads)
     _paged_attention_kernel[grid](

@@ -1,21 +1,22 @@
 """Triton kernels for decode-sized batches on CUDA, where every step is a stream of weights.
 
 A decode step of a batch of a few rows reads each weight matrix once and does almost no
-arithmetic, so its time is the time to stream the weights. cuBLAS picks GEMM tilings meant
-for large batches and leaves about 15 % of the bandwidth unused at one row, and a plain
-PyTorch layer adds a kernel for every norm, activation, residual add and rotary step. The
-kernels here stream W once per call with the small work fused around it:
+arithmetic, so its time is the time to stream the weights, and every extra kernel launch
+between two weight streams is time the memory sits idle. The kernels here:
 
-- `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, with an optional RMSNorm
-  of x before it (`norm_weight`), a gated SiLU after it (W holds [gate; up] rows and the
-  result is silu(gate) * up), and an optional residual added after it.
+- `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, rows padded to one 16-row
+  tensor-core tile, the weight loads software-pipelined; with an optional RMSNorm of x
+  first (`norm_weight`, its own one-program-per-row kernel), a gated SiLU after it (W holds
+  [gate; up] rows and the result is silu(gate) * up) and a residual added after it.
 - `rope_and_cache`: splits a fused qkv projection into heads, applies the optional per-head
   q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache and
   returns the rotated queries.
 
-Every row is computed with the same loads and the same order of additions whatever the
-number of rows, and each program owns whole output columns, so results never depend on
-how rows are batched. The portable PyTorch versions in layers/fused.py are the reference.
+On Hopper and newer every kernel is launched with programmatic dependent launch: it may
+start while its predecessor finishes (a linear layer begins streaming its first weight
+tile), and waits for it (gdc_wait) before reading anything the predecessor wrote.
+Each row is computed by the same instructions whatever the number of rows, so results
+never depend on how rows are batched. The PyTorch code in layers/linear.py is the reference.
 """
 from __future__ import annotations
 
@@ -31,13 +32,7 @@ MAX_ROWS = 16        # more rows than this: cuBLAS (the weights are read once pe
 
 
 @triton.jit
-def _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM: tl.constexpr, GATED: tl.constexpr,
-                IEEE: tl.constexpr):
-    if NORM:
-        # RMSNorm folded in: y = rstd * ((x * norm_weight) @ W.T), rstd from the same tiles
-        xf = x.to(tl.float32)
-        sq += xf * xf
-        x = (xf * nw.to(tl.float32)[None, :]).to(w.dtype)
+def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
     if IEEE:   # float32 weights, or Triton's interpreter (whose bf16 dot is wrong)
         xf = x.to(tl.float32)
         acc += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -47,15 +42,13 @@ def _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM: tl.constexpr, GATED: tl.con
         acc += tl.dot(x, tl.trans(w))
         if GATED:
             acc_up += tl.dot(x, tl.trans(wu))
-    return acc, acc_up, sq
+    return acc, acc_up
 
 
 @triton.jit
 def _small_linear_kernel(
-        X, W, BIAS, NORM_W, RES, Y,
-        M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        X, W, BIAS, RES, Y, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
     # the same instructions; the loop's loads are software-pipelined (num_stages).
@@ -79,10 +72,8 @@ def _small_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    sq = tl.zeros([16, BLOCK_K], tl.float32)
     x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-    nw = tl.load(NORM_W + k, mask=k < K, other=0.0) if NORM else k
-    acc, acc_up, sq = _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM, GATED, IEEE)
+    acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k_ok = k0 + k < K
         w_mask = n_ok[:, None] & k_ok[None, :]
@@ -90,14 +81,8 @@ def _small_linear_kernel(
         if GATED:
             wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            nw = tl.load(NORM_W + k0 + k, mask=k_ok, other=0.0)
-        acc, acc_up, sq = _accumulate(acc, acc_up, sq, x, w, wu, nw, NORM, GATED, IEEE)
+        acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
     y = acc
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)                           # [16]
-        y = y * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -113,9 +98,44 @@ def _small_linear_kernel(
     tl.store(Y + m[:, None] * stride_ym + n[None, :], y.to(Y.dtype.element_ty), mask=out_ok)
 
 
+@triton.jit
+def _rms_norm_kernel(X, W, Y, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    k = tl.arange(0, BLOCK)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(X + row * stride_x + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        sq += x * x
+    rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + k < K
+        x = tl.load(X + row * stride_x + k0 + k, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(W + k0 + k, mask=ok, other=0.0).to(tl.float32)
+        # as RMSNorm does: normalise in float32, cast back, then scale by the weight
+        normed = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * stride_y + k0 + k, (normed * w).to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x [M, K]: one program per row."""
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        pdl = pdl_supported(x.device)
+        _rms_norm_kernel[(x.shape[0],)](
+            x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps,
+            BLOCK=min(4096, triton.next_power_of_2(x.shape[1])), PDL=pdl, num_warps=8,
+            **pdl_launch(pdl))
+    return out
+
+
 def _config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-    return (16, 256, 4, 4) if gated else (32, 256, 4, 4)
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
+    H200 (docs/PERFORMANCE.md)."""
+    return (32, 256, 4, 3) if gated else (32, 256, 4, 5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,15 +168,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
     block_n, block_k, warps, stages = config or _config(n, k, gated)
     res = residual if residual is not None else out
     pdl = pdl_supported(x.device)
     _small_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight,
-        norm_weight if norm_weight is not None else weight, res, out,
-        m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
+        x, weight, bias if bias is not None else weight, res, out,
+        m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, num_warps=warps,
         num_stages=stages, **pdl_launch(pdl))
     return out

@@ -37,3 +37,16 @@ def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = No
     if residual is not None:
         y = residual + y
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def fused_rms_norm(norm: RMSNorm, x: torch.Tensor, fast: bool = False,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x), as one Triton kernel when `fast` (optionally into `out`, e.g. a column slice
+    of a concatenation), else the module itself."""
+    if fast and x.dim() == 2 and not torch.is_grad_enabled():
+        from onespec.layers.triton_linear import rms_norm
+        return rms_norm(x, norm.weight, norm.eps, out)
+    y = norm(x)
+    if out is not None:
+        out.copy_(y)
+    return y

@@ -120,9 +120,12 @@ def _rms_norm_kernel(X, W, Y, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
         tl.store(Y + row * stride_y + k0 + k, (normed * w).to(Y.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the rows of x [M, K]: one program per row."""
-    out = torch.empty_like(x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of x [M, K] (into `out`, which may be a column slice of a wider
+    buffer): one program per row."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x) if out is None else out
     if x.shape[0]:
         pdl = pdl_supported(x.device)
         _rms_norm_kernel[(x.shape[0],)](
@@ -135,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
     H200 (docs/PERFORMANCE.md)."""
-    return (32, 256, 4, 3) if gated else (32, 256, 4, 5)
+    return (64, 128, 4, 3) if gated else (32, 256, 4, 5)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from onespec.layers.linear import fused_linear
+from onespec.layers.linear import fused_linear, fused_rms_norm
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
@@ -76,9 +76,11 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = norm_before_residual
 
     def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, fast=False):
-        normed = self.hidden_norm(hidden)
+        h = hidden.shape[-1]
+        a = hidden.new_empty(hidden.shape[0], 2 * h)                         # [T, 2H]
+        fused_rms_norm(self.input_layernorm, embeds, fast, out=a[:, :h])
+        normed = fused_rms_norm(self.hidden_norm, hidden, fast, out=a[:, h:])
         residual = normed if self.norm_before_residual else hidden
-        a = torch.cat([self.input_layernorm(embeds), normed], dim=-1)       # [T, 2H]
         if attn_fn is None:
             h = self.self_attn(a, positions, rotary, meta, residual=residual, fast=fast)
         else:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
-from onespec.layers.linear import fused_linear
+from onespec.layers.linear import fused_linear, fused_rms_norm
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
             if i in capture:
                 saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
-        return self.model.norm(h), captured
+        return fused_rms_norm(self.model.norm, h, self.fast_kernels), captured
 
     def compute_logits(self, hidden):
         return fused_linear(self.lm_head, hidden, out_dtype=torch.float32,

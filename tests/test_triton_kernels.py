@@ -3,6 +3,8 @@ their PyTorch references. Compiled on CUDA; without CUDA, conftest runs them in 
 interpreter, so a CPU run checks their indexing, masking and arithmetic as well."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -70,12 +72,38 @@ def test_small_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(together, alone[:m])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+@torch.inference_mode()
+def test_rms_norm_split_across_two_linears(dtype, rows):
+    """o_proj + residual leaving the next RMSNorm half done (rows * weight, partial sums of
+    squares), and gate_up finishing it, equal norm -> gate_up on the residual stream."""
+    o_proj, _ = linear_parts(96, 300, False, False, dtype, seed=1)     # 300: ragged tiles
+    gate_up, norm = linear_parts(300, 40, True, True, dtype, seed=2)
+    a = torch.randn(rows, 96, device=DEV).to(dtype)
+    h = torch.randn(rows, 300, device=DEV).to(dtype)
+    # reference in float32 from the same (rounded) values: this path rounds less than the
+    # bf16 PyTorch one, so it is compared with what both approximate
+    o32, g32, n32 = (copy.deepcopy(mod).float() for mod in (o_proj, gate_up, norm))
+    ref_h = fused_linear(o32, a.float(), residual=h.float())
+    ref = fused_linear(g32, ref_h.to(dtype).float(), norm=n32, gated=True)
+    got_h, pre = small_linear(a, o_proj.weight, residual=h, norm_out=(norm.weight, norm.eps),
+                              config=(32, 64, 4, 2))
+    got = small_linear(pre, gate_up.weight, gate_up.bias, gated=True)
+    assert pre.ss.shape == (rows, 10)                  # one partial sum per producer program
+    tol = TOL[dtype]
+    torch.testing.assert_close(got_h.float(), ref_h.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_small_linear_rejects_bad_shapes():
     w = torch.zeros(8, 32, device=DEV)
     with pytest.raises(ValueError, match="equal K"):
         small_linear(torch.zeros(1, 16, device=DEV), w)
     with pytest.raises(ValueError, match="at most 16 rows"):
         small_linear(torch.zeros(17, 32, device=DEV), w)
+    with pytest.raises(ValueError, match="norm_out needs a residual"):
+        small_linear(torch.zeros(1, 32, device=DEV), w, norm_out=(torch.ones(8), 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,12 +137,14 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
     assert torch.equal(caches[1], vc_ref)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_fast_decoder_matches_portable_path(tmp_path, arch):
-    """Whole forwards with the Triton kernels (fused norm/linear/SiLU/residual, rotary and
-    cache writes, paged attention) equal the portable path: a 20-row prefill chunk, a 4-row
-    verify step and a single decode row, each over the cache the previous ones wrote."""
+    """Whole forwards with the Triton kernels (norms split across the linears around them,
+    SiLU/residual epilogues, rotary and cache writes, paged attention) equal the portable
+    path: a 20-row prefill chunk (cuBLAS linears), a 4-row verify step and a single decode
+    row (decode path), each over the cache the previous ones wrote. qwen3's head_dim 24
+    takes the PyTorch q/k-norm and rotary inside the fast path."""
     from onespec.engine.engine import load_target
     from onespec.engine.kv_cache import allocate_kv_cache
     make_hf_model(tmp_path, arch, num_layers=2)

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# experiment switch: a GEMV lets its successor launch as soon as it starts (early) or once
+# its weight stream is done (late)
+EARLY_TRIGGER = os.environ.get("ONESPEC_PDL_TRIGGER", "late") == "early"
 MAX_ROWS = 16        # more rows than this: cuBLAS (the weights are read once per tile row)
 
 
@@ -47,9 +51,13 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _small_linear_kernel(
-        X, W, BIAS, RES, Y, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
+        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT,
+        M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
+        stride_xn_out, stride_ss_out, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, IEEE: tl.constexpr,
+        PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
     # the same instructions; the loop's loads are software-pipelined (num_stages).
     pid = tl.program_id(0)
@@ -69,7 +77,8 @@ def _small_linear_kernel(
         wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
     x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -82,6 +91,16 @@ def _small_linear_kernel(
             wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
+    if PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PRENORMED:
+        # X held x * norm_weight; the producer left per-row partial sums of x^2: apply 1/rms
+        p = tl.arange(0, BLOCK_P)
+        parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
+                        mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(parts, 1) / K + eps)                      # [16]
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
     y = acc
     if HAS_BIAS:
         y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -95,7 +114,15 @@ def _small_linear_kernel(
         r = tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
         # the projection is rounded to the stream's dtype before the add, as in PyTorch
         y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], y.to(Y.dtype.element_ty), mask=out_ok)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+    if NORM_OUT:
+        # the next RMSNorm's share of this tile: y * its weight, and sum(y^2) per row
+        yf = tl.where(out_ok, y.to(tl.float32), 0.0)
+        nw = tl.load(NW_OUT + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(XN_OUT + m[:, None] * stride_xn_out + n[None, :],
+                 (yf * nw[None, :]).to(XN_OUT.dtype.element_ty), mask=out_ok)
+        tl.store(SS_OUT + m * stride_ss_out + pid, tl.sum(yf * yf, 1), mask=m_ok)
 
 
 @triton.jit
@@ -154,35 +181,68 @@ def pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+@dataclass
+class Prenormed:
+    """An RMSNorm split across two kernels: `x` = rows * norm weight [M, K], `ss` = partial
+    sums of the rows' squares [M, P] (one per producer program); the consuming
+    small_linear multiplies by 1/rms(row) in its epilogue, where the sums are complete."""
+    x: torch.Tensor
+    ss: torch.Tensor
+    eps: float
+
+
+def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  gated: bool = False, residual: torch.Tensor | None = None,
+                 norm_out: tuple[torch.Tensor, float] | None = None,
                  out_dtype: torch.dtype | None = None,
-                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int, int] | None = None):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the tuned choice."""
+
+    x may be a Prenormed (the RMSNorm of its producer). norm_out=(weight, eps), with a
+    residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
+    (y, Prenormed). config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    pre = x if isinstance(x, Prenormed) else None
+    x = pre.x if pre else x
     m, k = x.shape
     rows, k_w = weight.shape
     if k_w != k or m > MAX_ROWS:
         raise ValueError(f"small_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          f"need equal K and at most {MAX_ROWS} rows")
+    if norm_out is not None and residual is None:
+        raise ValueError("small_linear: norm_out needs a residual (it normalises the sum)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = rows // 2 if gated else rows
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0:
-        return out
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     block_n, block_k, warps, stages = config or _config(n, k, gated)
+    grid = triton.cdiv(n, block_n)
+    nxt = None
+    if norm_out is not None:
+        nxt = Prenormed(torch.empty_like(out),
+                        torch.empty(m, grid, dtype=torch.float32, device=x.device),
+                        norm_out[1])
+    if m == 0:
+        return out if nxt is None else (out, nxt)
     res = residual if residual is not None else out
+    ss_in = pre.ss if pre else out
     pdl = pdl_supported(x.device)
-    _small_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, res, out,
-        m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, num_warps=warps,
-        num_stages=stages, **pdl_launch(pdl))
-    return out
+    _small_linear_kernel[(grid,)](
+        x, weight, bias if bias is not None else weight, res, out, ss_in,
+        norm_out[0] if nxt else weight, nxt.x if nxt else out, nxt.ss if nxt else out,
+        m, n, k, pre.ss.shape[1] if pre else 0, x.stride(0), weight.stride(0),
+        res.stride(0), out.stride(0), ss_in.stride(0), nxt.x.stride(0) if nxt else 0,
+        nxt.ss.stride(0) if nxt else 0, pre.eps if pre else eps,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
+        HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
+        PRENORMED=pre is not None, NORM_OUT=nxt is not None,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        EARLY_TRIGGER=EARLY_TRIGGER, num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl))
+    return out if nxt is None else (out, nxt)
 
 
 @triton.jit

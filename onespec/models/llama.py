@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
-from onespec.layers.linear import fused_linear, fused_rms_norm
+from onespec.layers.linear import MAX_FAST_ROWS, fused_linear, fused_rms_norm
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -118,6 +118,12 @@ class Attention(nn.Module):
                 norm: RMSNorm | None = None, residual=None, fast: bool = False):
         """(residual +) o_proj(attention(qkv_proj(norm(x)))); `fast`: Triton kernels."""
         qkv = fused_linear(self.qkv_proj, x, norm=norm, fast=fast)
+        out = self.attend(qkv, positions, rotary, meta, fast)
+        return fused_linear(self.o_proj, out, residual=residual, fast=fast)
+
+    def attend(self, qkv, positions, rotary: RotaryEmbedding, meta: AttentionMetadata,
+               fast: bool = False):
+        """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]; writes this step's KV."""
         if fast and rotary.fused_ok:
             from onespec.layers.triton_linear import rope_and_cache
             q = rope_and_cache(qkv, positions, rotary.cos_sin, meta.slot_mapping, self.k_cache,
@@ -128,8 +134,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self._heads(qkv, positions, rotary)
             out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return fused_linear(self.o_proj, out.reshape(-1, self.q_size), residual=residual,
-                            fast=fast)
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -156,6 +161,29 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rotary, meta, norm=self.input_layernorm, residual=h,
                            fast=fast)
         return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
+
+    def forward_decode(self, h, pre, positions, rotary, meta, next_norm: RMSNorm | None):
+        """forward() for decode-sized batches on the Triton path, with each RMSNorm split
+        over the kernels around it: the residual kernel before it leaves rows * weight
+        and partial sums of squares, the GEMV after it applies 1/rms (triton_linear).
+        `pre`: this layer's input norm, left by the previous layer (None: compute it).
+        Returns (h, the next layer's input norm or None)."""
+        from onespec.layers.triton_linear import small_linear
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if pre is None:
+            qkv = small_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                               norm_weight=norm1.weight, eps=norm1.eps)
+        else:
+            qkv = small_linear(pre, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = attn.attend(qkv, positions, rotary, meta, fast=True)
+        h, pre = small_linear(out, attn.o_proj.weight, residual=h,
+                              norm_out=(norm2.weight, norm2.eps))
+        act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+        if next_norm is None:
+            return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h), None
+        return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h,
+                            norm_out=(next_norm.weight, next_norm.eps))
 
 
 class LlamaModel(nn.Module):
@@ -189,10 +217,19 @@ class LlamaForCausalLM(nn.Module):
                 capture: tuple[int, ...] = ()):
         h = self.model.embed_tokens(input_ids)
         saved = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, self.rotary, meta, self.fast_kernels)
-            if i in capture:
-                saved[i] = h
+        layers = self.model.layers
+        if self.fast_kernels and h.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled():
+            pre = None
+            for i, layer in enumerate(layers):
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                h, pre = layer.forward_decode(h, pre, positions, self.rotary, meta, nxt)
+                if i in capture:
+                    saved[i] = h
+        else:
+            for i, layer in enumerate(layers):
+                h = layer(h, positions, self.rotary, meta, self.fast_kernels)
+                if i in capture:
+                    saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
         return fused_rms_norm(self.model.norm, h, self.fast_kernels), captured
 

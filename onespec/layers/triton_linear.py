@@ -29,9 +29,6 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# experiment switch: a GEMV lets its successor launch as soon as it starts (early) or once
-# its weight stream is done (late)
-EARLY_TRIGGER = os.environ.get("ONESPEC_PDL_TRIGGER", "late") == "early"
 MAX_ROWS = 16        # more rows than this: cuBLAS (the weights are read once per tile row)
 
 
@@ -57,7 +54,7 @@ def _small_linear_kernel(
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+        PDL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
     # the same instructions; the loop's loads are software-pipelined (num_stages).
     pid = tl.program_id(0)
@@ -77,8 +74,6 @@ def _small_linear_kernel(
         wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
     x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -91,7 +86,10 @@ def _small_linear_kernel(
             wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
-    if PDL and not EARLY_TRIGGER:
+    if PDL:
+        # release the successor only once the weights are streamed: released at the start,
+        # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
+        # vs 4.50 ms, docs/PERFORMANCE.md)
         tl.extra.cuda.gdc_launch_dependents()
     if PRENORMED:
         # X held x * norm_weight; the producer left per-row partial sums of x^2: apply 1/rms
@@ -240,7 +238,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        EARLY_TRIGGER=EARLY_TRIGGER, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     return out if nxt is None else (out, nxt)
 

@@ -5,16 +5,20 @@ arithmetic, so its time is the time to stream the weights, and every extra kerne
 between two weight streams is time the memory sits idle. The kernels here:
 
 - `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, rows padded to one 16-row
-  tensor-core tile, the weight loads software-pipelined; with an optional RMSNorm of x
-  first (`norm_weight`, its own one-program-per-row kernel), a gated SiLU after it (W holds
+  tensor-core tile, the weight loads software-pipelined; a gated SiLU after it (W holds
   [gate; up] rows and the result is silu(gate) * up) and a residual added after it.
+  An RMSNorm in front of it either runs as its own row kernel (`norm_weight`) or is split
+  across the kernels around it (`Prenormed`): the residual kernel before the norm also
+  stores rows * norm weight and per-program partial sums of squares, and the GEMV after
+  it applies 1/rms in its epilogue.
 - `rope_and_cache`: splits a fused qkv projection into heads, applies the optional per-head
   q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache and
   returns the rotated queries.
 
 On Hopper and newer every kernel is launched with programmatic dependent launch: it may
 start while its predecessor finishes (a linear layer begins streaming its first weight
-tile), and waits for it (gdc_wait) before reading anything the predecessor wrote.
+tile), and waits for it (gdc_wait) before reading anything the predecessor wrote; a
+linear layer lets its own successor start only after its weight stream.
 Each row is computed by the same instructions whatever the number of rows, so results
 never depend on how rows are batched. The PyTorch code in layers/linear.py is the reference.
 """
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MAX_ROWS = 16        # more rows than this: cuBLAS (the weights are read once per tile row)
+MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 
 
 @triton.jit
@@ -301,12 +305,12 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     if t == 0:
         return q
     qk_norm = q_norm_weight is not None
+    pdl = pdl_supported(qkv.device)
     _rope_cache_kernel[(t, num_heads + num_kv_heads)](
         qkv, cos_sin, positions, slot_mapping,
         q_norm_weight if qk_norm else cos_sin, k_norm_weight if qk_norm else cos_sin,
         q, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-        QK_NORM=qk_norm, PDL=pdl_supported(qkv.device), num_warps=1,
-        **pdl_launch(pdl_supported(qkv.device)))
+        QK_NORM=qk_norm, PDL=pdl, num_warps=1, **pdl_launch(pdl))
     return q

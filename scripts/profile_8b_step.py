@@ -33,6 +33,15 @@ def kind(name: str) -> str:
     return "other"
 
 
+def mean_ms(fn, sync, n: int = 50) -> float:
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return 1000 * (time.perf_counter() - t) / n
+
+
 def main():
     shape = sys.argv[1] if len(sys.argv) > 1 else "llama3-8b"
     device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
@@ -47,21 +56,11 @@ def main():
         for _ in range(10):
             eng.step()
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        sync()
-        t = time.perf_counter()
-        for _ in range(50):
-            eng.step()
-        sync()
-        step_ms = 1000 * (time.perf_counter() - t) / 50
+        step_ms = mean_ms(eng.step, sync)
         if graphs:
             # the captured step replayed back to back: GPU time without the host's share
             (graph, _), = eng.runner.graphs.graphs.values()
-            sync()
-            t = time.perf_counter()
-            for _ in range(50):
-                graph.replay()
-            sync()
-            replay_ms = 1000 * (time.perf_counter() - t) / 50
+            replay_ms = mean_ms(graph.replay, sync)
             print(json.dumps({"mode": "cuda-graph", "step_ms": round(step_ms, 3),
                               "replay_only_ms": round(replay_ms, 3),
                               "host_ms": round(step_ms - replay_ms, 3)}), flush=True)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers.triton_linear import pdl_launch, pdl_supported
+from onespec.layers.triton_linear import pdl_launch, pdl_start, pdl_supported
 
 NO_WINDOW = 1 << 30
 
@@ -25,9 +25,7 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_start(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(TOKEN_REQ + row)

@@ -37,6 +37,15 @@ MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 
 
 @triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A small kernel's start under PDL: wait for the predecessor, then let the successor
+    launch (it only waits, so it takes no SM time this kernel needs)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
     if IEEE:   # float32 weights, or Triton's interpreter (whose bf16 dot is wrong)
         xf = x.to(tl.float32)
@@ -130,9 +139,7 @@ def _small_linear_kernel(
 @triton.jit
 def _rms_norm_kernel(X, W, Y, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_start(PDL)
     row = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     sq = tl.zeros([BLOCK], tl.float32)
@@ -253,9 +260,7 @@ def _rope_cache_kernel(
         stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         QK_NORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)              # q heads, then kv heads
     d = tl.arange(0, HALF)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_hf_model
+from conftest import make_eagle3_head, make_hf_model
 
 pytest.importorskip("triton")
 
@@ -150,6 +150,9 @@ def test_fast_decoder_matches_portable_path(tmp_path, arch):
     make_hf_model(tmp_path, arch, num_layers=2)
     model = load_target(str(tmp_path), DEV, torch.float32)
     model.setup_rotary(64, DEV)
+    for name, p in model.named_parameters():     # HF initialises norm weights to 1
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
     layers = [layer.self_attn for layer in model.model.layers]
     torch.manual_seed(0)
     ids = torch.randint(3, 128, (25,), device=DEV)
@@ -166,5 +169,43 @@ def test_fast_decoder_matches_portable_path(tmp_path, arch):
             hidden, captured = model(ids[lo:hi], pos, meta, capture=(0,))
             outs += [hidden, captured, model.compute_logits(hidden)]
         results[fast] = outs
+    for got, ref in zip(results[True], results[False]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm_before_residual,num_layers", [(False, 1), (True, 2)])
+@torch.inference_mode()
+def test_fast_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residual, num_layers):
+    """The draft head's passes with the Triton kernels (fc, both input norms written into
+    one concatenation, fused layers, norm + draft lm_head) equal the portable path: a
+    4-row step 0 and a single-row later step over the draft KV the first one wrote."""
+    from onespec.engine.engine import load_target
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.eagle3_io import load_eagle3_head
+    from onespec.spec.drafters import Eagle3Drafter
+    hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
+    make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=num_layers,
+                     norm_before_residual=norm_before_residual)
+    target = load_target(str(tmp_path / "target"), DEV, torch.float32)
+    head = load_eagle3_head(str(tmp_path / "head"), target.config, 3, DEV, torch.float32)
+    head.setup_rotary(64, DEV)
+    drafter = Eagle3Drafter(head, target, (1, 2, 3))
+    torch.manual_seed(0)
+    captured = torch.randn(4, 3 * 64, device=DEV)
+    ids = torch.randint(3, 128, (5,), device=DEV)
+    tables = torch.tensor([[1, 0]], device=DEV)
+    results = {}
+    for fast in (False, True):
+        head.fast_kernels = fast
+        allocate_kv_cache(drafter.attention_layers, 2, 8, DEV)
+        backend = "triton" if fast else "torch"
+        pos = torch.arange(3, 7, device=DEV)
+        meta = build_attention_metadata(tables, 4, pos, 8, 7, None, backend)
+        h = drafter.forward(ids[:4], pos, drafter.initial_hidden(captured, None), meta)
+        outs = [h, drafter.compute_logits(h)]
+        pos = torch.tensor([7], device=DEV)
+        meta = build_attention_metadata(tables, 1, pos, 8, 8, None, backend)
+        h = drafter.forward(ids[4:], pos, h[-1:], meta)
+        results[fast] = outs + [h, drafter.compute_logits(h)]
     for got, ref in zip(results[True], results[False]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

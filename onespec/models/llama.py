@@ -218,18 +218,17 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         saved = {}
         layers = self.model.layers
-        if self.fast_kernels and h.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled():
-            pre = None
-            for i, layer in enumerate(layers):
+        decode = (self.fast_kernels and h.shape[0] <= MAX_FAST_ROWS
+                  and not torch.is_grad_enabled())
+        pre = None                      # decode: the next input norm, half done
+        for i, layer in enumerate(layers):
+            if decode:
                 nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
                 h, pre = layer.forward_decode(h, pre, positions, self.rotary, meta, nxt)
-                if i in capture:
-                    saved[i] = h
-        else:
-            for i, layer in enumerate(layers):
+            else:
                 h = layer(h, positions, self.rotary, meta, self.fast_kernels)
-                if i in capture:
-                    saved[i] = h
+            if i in capture:
+                saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
         return fused_rms_norm(self.model.norm, h, self.fast_kernels), captured
 

@@ -1,0 +1,105 @@
+"""Compiles onespec's Triton kernels ahead of time for an NVIDIA target, without a GPU.
+
+    python scripts/compile_kernels.py [--arch 90]
+
+Each kernel is compiled in the configurations the engine launches on CUDA (bf16 decode,
+fp32 as in the GPU tests; programmatic dependent launch on for sm_90+), through Triton's
+own CUDA backend (LLVM + the bundled ptxas), so a change that breaks compilation for the
+GPU, or needs more shared memory than an H100/H200 block may use, shows up on a CPU-only
+machine. Prints one JSON line per kernel; exits 1 if any failed. Must run without
+TRITON_INTERPRET (the interpreter replaces the kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SMEM_LIMIT = 232448            # bytes of shared memory one block may use on sm_90
+
+
+def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
+                num_stages: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    # as the launcher specialises them: pointers and integer arguments 16-divisible
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] != "constexpr" and not sig[n].startswith("fp")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                      attrs=attrs),
+                            target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = kernel.asm["ptx"]
+    return {"shared_bytes": kernel.metadata.shared,
+            "pdl_instructions": ptx.count("griddepcontrol")}
+
+
+def cases(arch: int):
+    from onespec.layers import triton_attention as ta
+    from onespec.layers import triton_linear as tl_
+    pdl = arch >= 90
+    ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
+    ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", eps="fp32")
+    linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
+                  NORM_OUT=False, IEEE=False, PDL=pdl)
+    gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
+    yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
+    yield ("small_linear residual+norm_out", tl_._small_linear_kernel, ptrs,
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
+            "NORM_OUT": True}, plain_cfg[2:])
+    yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
+           {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
+            "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
+    yield ("small_linear fp32 logits", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
+    yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
+           {**{n: "*fp32" for n in ptrs if n.isupper()}, "eps": "fp32"},
+           {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
+            "IEEE": True}, gated_cfg[2:])
+    yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
+                                              "eps": "fp32"},
+           {"BLOCK": 4096, "PDL": pdl}, (8, 3))
+    rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
+                                 "V_CACHE")}
+    rope.update(COS_SIN="*fp32", POSITIONS="*i64", SLOTS="*i64", eps="fp32")
+    yield ("rope_and_cache qk-norm", tl_._rope_cache_kernel, rope,
+           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "QK_NORM": True, "PDL": pdl},
+           (1, 3))
+    attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
+    attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", scale="fp32")
+    base = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16,
+            "PDL": pdl}
+    yield ("attention bf16", ta._paged_attention_kernel, attn,
+           {**base, "BLOCK_N": 256, "IEEE": False}, (8, 3))
+    yield ("attention float32 (tests)", ta._paged_attention_kernel,
+           {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
+            **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},
+           {**base, "BLOCK_N": 64, "IEEE": True}, (4, 3))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("run without TRITON_INTERPRET=1")
+    ok = True
+    for name, fn, types, constexprs, (warps, stages) in cases(args.arch):
+        row = {"kernel": name, "arch": args.arch}
+        try:
+            row.update(compile_one(fn, types, constexprs, args.arch, warps, stages))
+            row["fits"] = row["shared_bytes"] <= SMEM_LIMIT
+            ok &= row["fits"]
+        except Exception as e:                  # a compile error is the finding
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+            ok = False
+        print(json.dumps(row), flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -42,9 +42,9 @@ def cases(arch: int):
     from onespec.layers import triton_linear as tl_
     pdl = arch >= 90
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
-    ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", eps="fp32")
+    ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
-                  NORM_OUT=False, IEEE=False, PDL=pdl)
+                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl)
     gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
     yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
@@ -56,8 +56,14 @@ def cases(arch: int):
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
     yield ("small_linear fp32 logits", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
+    yield ("small_linear greedy argmax", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "ARGMAX": True},
+           plain_cfg[2:])
+    yield ("argmax reduce", tl_._argmax_reduce_kernel,
+           {"VAL": "*fp32", "IDX": "*i32", "OUT": "*i64"}, {"BLOCK_P": 4096, "PDL": pdl},
+           (4, 1))
     yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
-           {**{n: "*fp32" for n in ptrs if n.isupper()}, "eps": "fp32"},
+           {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "IEEE": True}, gated_cfg[2:])
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",

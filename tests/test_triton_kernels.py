@@ -14,7 +14,7 @@ from conftest import make_eagle3_head, make_hf_model
 pytest.importorskip("triton")
 
 from onespec.layers.attention import build_attention_metadata  # noqa: E402
-from onespec.layers.linear import fused_linear  # noqa: E402
+from onespec.layers.linear import fused_linear, fused_linear_argmax  # noqa: E402
 from onespec.layers.norm import RMSNorm  # noqa: E402
 from onespec.layers.rotary import RotaryEmbedding  # noqa: E402
 from onespec.layers.triton_linear import rope_and_cache, small_linear  # noqa: E402
@@ -96,6 +96,46 @@ def test_rms_norm_split_across_two_linears(dtype, rows):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("norm", [False, True])
+@torch.inference_mode()
+def test_small_linear_argmax_matches_torch(dtype, rows, norm):
+    """Greedy tokens straight from the GEMV (per-tile argmax + a reduction, no logits
+    written) equal argmax over the logits the same kernel writes, and the PyTorch path's
+    (in bf16, whose logits differ by rounding: a token within rounding of its maximum)."""
+    lin, rms = linear_parts(200, 300, False, False, dtype)    # 300: 10 tiles, ragged end
+    x = torch.randn(rows, 200, device=DEV).to(dtype)
+    kw = {"norm": rms} if norm else {}
+    got = fused_linear_argmax(lin, x, fast=True, **kw)
+    assert got.shape == (rows,) and got.dtype == torch.int64
+    logits = fused_linear(lin, x, out_dtype=torch.float32, fast=True, **kw)
+    assert torch.equal(got, logits.argmax(-1))
+    ref = fused_linear(lin, x, out_dtype=torch.float32, **kw)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref.argmax(-1))
+    else:
+        best = ref.max(-1).values
+        assert (ref.gather(1, got[:, None])[:, 0] >= best - 0.05 * best.abs()).all()
+
+
+@torch.inference_mode()
+def test_small_linear_argmax_takes_the_first_of_equal_maxima():
+    """As torch.argmax: ties go to the lowest column, within a tile and across tiles."""
+    w = torch.randn(300, 64, device=DEV) * 0.01
+    x = torch.ones(2, 64, device=DEV)
+    w[[40, 45]] = 1.0                        # row 0's maxima: one tile (32 columns each)
+    w[[290, 70, 250]] = 0.0                  # row 1: keep its own maxima below
+    w[70, :32] = 2.0
+    w[250, :32] = 2.0                        # row 1's maxima: tiles 2 and 7
+    x[1, 32:] = 0.0
+    x[0, :32] = 0.0
+    w[[40, 45], :32] = 0.0
+    tokens = small_linear(x, w, out_dtype=torch.float32, argmax=True, config=(32, 64, 4, 2))
+    assert tokens.tolist() == [40, 70]
+    assert torch.equal(tokens, (x @ w.T).argmax(-1))
+
+
 def test_small_linear_rejects_bad_shapes():
     w = torch.zeros(8, 32, device=DEV)
     with pytest.raises(ValueError, match="equal K"):
@@ -104,6 +144,8 @@ def test_small_linear_rejects_bad_shapes():
         small_linear(torch.zeros(17, 32, device=DEV), w)
     with pytest.raises(ValueError, match="norm_out needs a residual"):
         small_linear(torch.zeros(1, 32, device=DEV), w, norm_out=(torch.ones(8), 1e-6))
+    with pytest.raises(ValueError, match="argmax takes neither"):
+        small_linear(torch.zeros(1, 32, device=DEV), w, gated=True, argmax=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,7 +209,8 @@ def test_fast_decoder_matches_portable_path(tmp_path, arch):
             meta = build_attention_metadata(tables, hi - lo, pos, 8, hi, None,
                                             "triton" if fast else "torch")
             hidden, captured = model(ids[lo:hi], pos, meta, capture=(0,))
-            outs += [hidden, captured, model.compute_logits(hidden)]
+            outs += [hidden, captured, model.compute_logits(hidden),
+                     model.greedy_tokens(hidden)]
         results[fast] = outs
     for got, ref in zip(results[True], results[False]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -202,11 +245,11 @@ def test_fast_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residua
         pos = torch.arange(3, 7, device=DEV)
         meta = build_attention_metadata(tables, 4, pos, 8, 7, None, backend)
         h = drafter.forward(ids[:4], pos, drafter.initial_hidden(captured, None), meta)
-        outs = [h, drafter.compute_logits(h)]
+        outs = [h, drafter.compute_logits(h), drafter.greedy_ids(h)]
         pos = torch.tensor([7], device=DEV)
         meta = build_attention_metadata(tables, 1, pos, 8, 8, None, backend)
         h = drafter.forward(ids[4:], pos, h[-1:], meta)
-        results[fast] = outs + [h, drafter.compute_logits(h)]
+        results[fast] = outs + [h, drafter.compute_logits(h), drafter.greedy_ids(h)]
     for got, ref in zip(results[True], results[False]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -226,7 +269,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 9
+    assert len(rows) == 11
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents

@@ -61,13 +61,13 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _small_linear_kernel(
-        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT,
+        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
-        stride_xn_out, stride_ss_out, eps,
+        stride_xn_out, stride_ss_out, stride_arg, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-        PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr):
+        PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
     # the same instructions; the loop's loads are software-pipelined (num_stages).
     pid = tl.program_id(0)
@@ -126,7 +126,15 @@ def _small_linear_kernel(
         # the projection is rounded to the stream's dtype before the add, as in PyTorch
         y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     y = y.to(Y.dtype.element_ty)
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
+    if ARGMAX:
+        # greedy decoding: this tile's best column per row (first on ties), reduced over
+        # the tiles by _argmax_reduce_kernel; the values are the ones Y would hold
+        yv = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
+        tl.store(ARG_VAL + m * stride_arg + pid, tl.max(yv, 1), mask=m_ok)
+        tl.store(ARG_IDX + m * stride_arg + pid,
+                 pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
+    else:
+        tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
     if NORM_OUT:
         # the next RMSNorm's share of this tile: y * its weight, and sum(y^2) per row
         yf = tl.where(out_ok, y.to(tl.float32), 0.0)
@@ -134,6 +142,21 @@ def _small_linear_kernel(
         tl.store(XN_OUT + m[:, None] * stride_xn_out + n[None, :],
                  (yf * nw[None, :]).to(XN_OUT.dtype.element_ty), mask=out_ok)
         tl.store(SS_OUT + m * stride_ss_out + pid, tl.sum(yf * yf, 1), mask=m_ok)
+
+
+@triton.jit
+def _argmax_reduce_kernel(VAL, IDX, OUT, P, stride, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    """Per row: the best of the tiles' (max, argmax) pairs, the lowest column on ties (as
+    torch.argmax picks the first maximal value)."""
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    ok = p < P
+    v = tl.load(VAL + row * stride + p, mask=ok, other=float("-inf"))
+    i = tl.load(IDX + row * stride + p, mask=ok, other=0)
+    best = tl.max(v, 0)
+    big = tl.full([BLOCK_P], 2147483647, tl.int32)
+    tl.store(OUT + row, tl.min(tl.where(ok & (v == best), i, big), 0).to(tl.int64))
 
 
 @triton.jit
@@ -205,13 +228,14 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  gated: bool = False, residual: torch.Tensor | None = None,
                  norm_out: tuple[torch.Tensor, float] | None = None,
-                 out_dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None, argmax: bool = False,
                  config: tuple[int, int, int, int] | None = None):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
 
     x may be a Prenormed (the RMSNorm of its producer). norm_out=(weight, eps), with a
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
-    (y, Prenormed). config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
+    is never written). config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -221,9 +245,11 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                          f"need equal K and at most {MAX_ROWS} rows")
     if norm_out is not None and residual is None:
         raise ValueError("small_linear: norm_out needs a residual (it normalises the sum)")
+    if argmax and (norm_out is not None or gated):
+        raise ValueError("small_linear: argmax takes neither norm_out nor gated")
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = rows // 2 if gated else rows
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     block_n, block_k, warps, stages = config or _config(n, k, gated)
@@ -233,24 +259,36 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         nxt = Prenormed(torch.empty_like(out),
                         torch.empty(m, grid, dtype=torch.float32, device=x.device),
                         norm_out[1])
+    arg = None
+    if argmax:
+        arg = (torch.empty(m, grid, dtype=torch.float32, device=x.device),
+               torch.empty(m, grid, dtype=torch.int32, device=x.device),
+               torch.empty(m, dtype=torch.int64, device=x.device))
     if m == 0:
-        return out if nxt is None else (out, nxt)
+        return arg[2] if argmax else out if nxt is None else (out, nxt)
     res = residual if residual is not None else out
     ss_in = pre.ss if pre else out
     pdl = pdl_supported(x.device)
     _small_linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, res, out, ss_in,
         norm_out[0] if nxt else weight, nxt.x if nxt else out, nxt.ss if nxt else out,
+        arg[0] if arg else out, arg[1] if arg else out,
         m, n, k, pre.ss.shape[1] if pre else 0, x.stride(0), weight.stride(0),
-        res.stride(0), out.stride(0), ss_in.stride(0), nxt.x.stride(0) if nxt else 0,
-        nxt.ss.stride(0) if nxt else 0, pre.eps if pre else eps,
+        res.stride(0), out.stride(0) if out.numel() else 0, ss_in.stride(0),
+        nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
+        grid if arg else 0, pre.eps if pre else eps,
         BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
-        PRENORMED=pre is not None, NORM_OUT=nxt is not None,
+        PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
         num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
+    if argmax:
+        _argmax_reduce_kernel[(m,)](arg[0], arg[1], arg[2], grid, grid,
+                                    BLOCK_P=triton.next_power_of_2(grid), PDL=pdl,
+                                    num_warps=4, **pdl_launch(pdl))
+        return arg[2]
     return out if nxt is None else (out, nxt)
 
 

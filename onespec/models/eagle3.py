@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from onespec.layers.linear import fused_linear, fused_rms_norm
+from onespec.layers.linear import fused_linear, fused_linear_argmax, fused_rms_norm
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
@@ -123,6 +123,11 @@ class Eagle3Head(nn.Module):
     def compute_logits(self, hidden):
         return fused_linear(self.lm_head, hidden, norm=self.norm, out_dtype=torch.float32,
                             fast=self.fast_kernels)                         # [N, Vd]
+
+    def compute_greedy(self, hidden):
+        """compute_logits(hidden).argmax(-1) [N] draft ids; no logits written when fast."""
+        return fused_linear_argmax(self.lm_head, hidden, norm=self.norm,
+                                   fast=self.fast_kernels)
 
     def to_target_ids(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
-from onespec.layers.linear import MAX_FAST_ROWS, fused_linear, fused_rms_norm
+from onespec.layers.linear import (MAX_FAST_ROWS, fused_linear, fused_linear_argmax,
+                                   fused_rms_norm)
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -235,3 +236,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden):
         return fused_linear(self.lm_head, hidden, out_dtype=torch.float32,
                             fast=self.fast_kernels)                          # [N, V]
+
+    def greedy_tokens(self, hidden):
+        """compute_logits(hidden).argmax(-1), without writing the logits on the fast path."""
+        return fused_linear_argmax(self.lm_head, hidden, fast=self.fast_kernels)  # [N]

@@ -64,17 +64,18 @@ class SpecWorker:
     def step(self, inp: StepInputs) -> StepResults:
         capture = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
-        logits = self.target.compute_logits(hidden[inp.logit_rows])          # [R, V]
-        context_tokens, accepted, num_accepted = self._accept(inp, logits)
+        context_tokens, accepted, num_accepted = self._accept(inp, hidden[inp.logit_rows])
         drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
                                             num_accepted)
         return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs)
 
     # ---- acceptance --------------------------------------------------------------------
-    def _accept(self, inp: StepInputs, logits):
+    def _accept(self, inp: StepInputs, rows):
+        """rows [R, H]: the target's hidden rows whose next tokens are sampled."""
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
         st = inp.row_sampling
         if self.use_rejection_sampling and bg and k:
+            logits = self.target.compute_logits(rows)                                # [R, V]
             probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
             tokens = sample_from_probs(probs[:bc], st.generators[:bc], self.generator)
             target_probs = probs[bc:].view(bg, k + 1, -1)
@@ -82,16 +83,17 @@ class SpecWorker:
                 inp.draft_tokens, inp.draft_probs, target_probs,
                 inp.gen_sampling.generators, self.generator)
         else:
-            sampled = sample(logits, st, self.generator)                             # [R]
+            sampled = self.target.greedy_tokens(rows) if st.all_greedy else \
+                sample(self.target.compute_logits(rows), st, self.generator)          # [R]
             tokens = sampled[:bc]
             accepted, num_accepted = strict_accept(inp.draft_tokens,
                                                    sampled[bc:].view(bg, k + 1))
         if self.force_acceptance_length is not None and bg:
             if self.step_counter is None:
-                self.step_counter = torch.zeros((), dtype=torch.int64, device=logits.device)
+                self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
             self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
-                                               self.step_counter, logits.device)
+                                               self.step_counter, rows.device)
         return tokens, accepted, num_accepted
 
     # ---- draft loop --------------------------------------------------------------------
@@ -125,17 +127,19 @@ class SpecWorker:
                                                 inp.max_kv_draft, None, self.attn_backend) \
                     if meta is None else advance_decode_metadata(meta, pos)
                 h = self.drafter.forward(drafts[-1], pos, h, meta)
-            token, q = self._pick(self.drafter.compute_logits(h), inp.draft_sampling)
+            token, q = self._pick(h, inp.draft_sampling)
             drafts.append(token)
             probs.append(q)
         draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
         return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
 
-    def _pick(self, draft_logits, st: SamplingTensors):
-        """Draft token per request: argmax, or a sample from q with rejection sampling.
-        Returns [Bd] target ids and q [Bd, V] (None without rejection sampling)."""
+    def _pick(self, h, st: SamplingTensors):
+        """Draft token per request from the draft hidden rows h: argmax, or a sample from q
+        with rejection sampling. Returns [Bd] target ids and q [Bd, V] (None without
+        rejection sampling)."""
         if not self.use_rejection_sampling:
-            return self.drafter.to_target_ids(draft_logits.argmax(-1)), None
+            return self.drafter.to_target_ids(self.drafter.greedy_ids(h)), None
+        draft_logits = self.drafter.compute_logits(h)                        # [B, Vd]
         q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]
         token = self.drafter.to_target_ids(sample_from_probs(q, st.generators, self.generator))
         q_target = q.new_zeros(q.shape[0], self.target.config.vocab_size)

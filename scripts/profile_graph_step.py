@@ -1,0 +1,239 @@
+"""Where the GPU time of one CUDA-graph decode step goes, phase by phase.
+
+    python scripts/profile_graph_step.py [--batch 1] [--k 3] [--acceptance 3.0]
+
+For plain decode and for K drafts at a forced acceptance length (random-weight 8B shape, as in
+bench/decode.py), prints one JSON line per mode:
+  - step_ms (engine.step, host included), replay_ms (the captured graph replayed back to
+    back) and host_ms (their difference: scheduling, input copies, the device-to-host copy);
+  - phases: the graph is captured once more with a tiny marker kernel after each phase
+    (target forward, target logits, acceptance, draft fc, each draft pass, each draft logits
+    + pick) and replayed under torch.profiler; each phase's time is the span between its
+    markers (so PDL overlap inside a phase counts once), with its kernel count;
+  - one target layer's kernel sequence (name, start offset, duration in µs).
+The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from onespec import SamplingParams
+from onespec.layers import triton_attention as ta
+from onespec.bench_cli import build_llm, set_draft, write_model_dirs
+
+MARK = "spin_kernel"
+
+
+def mean_ms(fn, n: int = 100) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+def install_markers(worker, labels: list[str]):
+    """After each phase of SpecWorker.step, launch a marker kernel and note the phase name."""
+    def marked(name, fn):
+        def call(*a, **kw):
+            out = fn(*a, **kw)
+            labels.append(name)
+            torch.cuda._sleep(1)
+            return out
+        return call
+
+    step = worker.step
+
+    def reset_then_step(*a, **kw):
+        labels.clear()
+        return step(*a, **kw)
+    worker.step = reset_then_step
+    t = worker.target
+    t.forward = marked("target forward", t.forward)
+    t.compute_logits = marked("target logits", t.compute_logits)
+    worker._accept = marked("accept", worker._accept)
+    if worker.drafter is not None:
+        d = worker.drafter
+        d.initial_hidden = marked("draft fc", d.initial_hidden)
+        d.forward = marked("draft pass", d.forward)
+        d.compute_logits = marked("draft logits", d.compute_logits)
+        worker._pick = marked("draft pick", worker._pick)
+
+
+def kernels_of(prof) -> list[tuple[str, float, float]]:
+    out = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+           if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
+           and "memset" not in e.name.lower()]
+    return sorted(out, key=lambda x: x[1])
+
+
+def phase_table(kern, labels, replays: int) -> list[dict]:
+    per = len(kern) // replays
+    rows: dict[int, dict] = {}
+    for r in range(replays):
+        ks = kern[r * per:(r + 1) * per]
+        marks = [i for i, (n, _, _) in enumerate(ks) if MARK in n]
+        prev_end, prev_i = ks[0][1], -1
+        for j, i in enumerate(marks):
+            span = ks[i][1] - prev_end
+            row = rows.setdefault(j, {"phase": labels[j] if j < len(labels) else "?",
+                                      "us": 0.0, "kernels": i - prev_i - 1})
+            row["us"] += span / replays
+            prev_end, prev_i = ks[i][2], i
+        tail = rows.setdefault(len(marks), {"phase": "outputs", "us": 0.0,
+                                            "kernels": per - prev_i - 1})
+        tail["us"] += (ks[-1][2] - prev_end) / replays
+    return [{**r, "us": round(r["us"], 1)} for _, r in sorted(rows.items())]
+
+
+def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
+    per = len(kern) // replays
+    ks = kern[:per]
+    attn = [i for i, (n, _, _) in enumerate(ks) if "attention" in n]
+    if len(attn) <= layer + 1:
+        return []
+    lo, hi = attn[layer], attn[layer + 1]
+    t0 = ks[lo][1]
+    return [[n[:40], round(s - t0, 1), round(e - s, 1)] for n, s, e in ks[lo:hi + 1]]
+
+
+def host_breakdown(eng, steps: int = 30) -> dict:
+    """Host time per step in the engine's parts (runner.run includes the graph's GPU time,
+    since its one device-to-host copy waits for it)."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return call
+    parts = [(eng.scheduler, "schedule"), (eng.scheduler, "postprocess"),
+             (eng.runner, "run"), (eng.stats, "record_step")]
+    for obj, name in parts:
+        setattr(obj, name, timed(name, getattr(obj, name)))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    spent["step"] = time.perf_counter() - t
+    for obj, name in parts:
+        delattr(obj, name)
+    return {n: round(1e3 * v / steps, 3) for n, v in spent.items()}
+
+
+def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
+    ns = SimpleNamespace(prompt_len=args.prompt_len, batch_sizes=[args.batch],
+                         dtype="bfloat16", device="cuda", seed=0)
+    llm = build_llm(target_dir, head_dir if k else None, k, ns, 4096)
+    eng = llm.engine
+    set_draft(eng, k, acceptance)
+    vocab = eng.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    graphs = eng.runner.graphs
+    key = (graphs.bucket(args.batch), k, eng.runner.worker.force_acceptance_length)
+    reqs: list = []
+
+    def restart(recapture: bool):
+        """Fresh requests at the prompt length (every figure at the same context), the
+        graph captured again if asked, a few warm-up steps."""
+        for r in reqs:
+            eng.abort(r.request_id)
+        reqs[:] = [eng.add_request(p, SamplingParams(max_tokens=4000, ignore_eos=True))
+                   for p in prompts]
+        if recapture:
+            graphs.graphs.clear()
+        for _ in range(4):
+            eng.step()
+
+    sweep = []
+    for mb in args.prefetch_mb:          # L2 prefetch budgets: re-capture under each
+        os.environ["ONESPEC_L2_PREFETCH_MB"] = mb
+        restart(True)
+        sweep.append({"l2_prefetch_mb": float(mb), "step_ms": round(mean_ms(eng.step, 50), 3),
+                      "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
+    os.environ.pop("ONESPEC_L2_PREFETCH_MB", None)
+    if args.default_mb is not None:
+        os.environ["ONESPEC_L2_PREFETCH_MB"] = args.default_mb
+    default_attention = ta.triton_paged_attention
+    for cfg in args.attn_configs:        # attention tilings (BLOCK_N, warps, stages)
+        ta.triton_paged_attention = functools.partial(default_attention, config=cfg)
+        restart(True)
+        sweep.append({"attention_config": cfg, "step_ms": round(mean_ms(eng.step, 50), 3),
+                      "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
+    ta.triton_paged_attention = default_attention
+    restart(True)
+    host = host_breakdown(eng)
+    restart(False)
+    step_ms = mean_ms(eng.step, 50)
+    replay_ms = mean_ms(graphs.graphs[key][0].replay, 100)
+    restart(False)
+    # capture again with phase markers
+    labels: list[str] = []
+    install_markers(eng.runner.worker, labels)
+    graphs.graphs.clear()
+    eng.step()
+    graph = graphs.graphs[key][0]
+    replay_marked_ms = mean_ms(graph.replay, 50)
+    replays = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kern = kernels_of(prof)
+    out = {"mode": "plain" if k == 0 else f"K={k} a={acceptance:g}", "batch": args.batch,
+           "step_ms": round(step_ms, 3), "replay_ms": round(replay_ms, 3),
+           "host_ms": round(step_ms - replay_ms, 3), "host_parts_ms": host,
+           "prefetch_sweep": sweep,
+           "replay_marked_ms": round(replay_marked_ms, 3),
+           "kernels_per_step": len(kern) // replays - len(labels),
+           "phases": phase_table(kern, labels, replays),
+           "layer_kernels": layer_sequence(kern, replays)}
+    for r in reqs:
+        eng.abort(r.request_id)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--acceptance", type=float, default=3.0)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--prefetch-mb", default="",
+                   help="comma-separated ONESPEC_L2_PREFETCH_MB values to time first")
+    p.add_argument("--attn-configs", default="",
+                   help="attention tilings to time first, e.g. 256:8:3,128:4:2")
+    args = p.parse_args()
+    args.prefetch_mb = [v for v in args.prefetch_mb.split(",") if v]
+    args.attn_configs = [tuple(int(x) for x in c.split(":"))
+                         for c in args.attn_configs.split(",") if c]
+    args.default_mb = os.environ.get("ONESPEC_L2_PREFETCH_MB")
+    if not torch.cuda.is_available():
+        sys.exit("profile_graph_step.py needs CUDA")
+    root = tempfile.mkdtemp()
+    target_dir, head_dir = write_model_dirs(args.shape, root)
+    for k, a in ((0, 1.0), (args.k, args.acceptance)):
+        print(json.dumps(run_mode(target_dir, head_dir, args, k, a)), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -71,9 +71,11 @@ def cases(arch: int):
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))
     rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
                                  "V_CACHE")}
-    rope.update(COS_SIN="*fp32", POSITIONS="*i64", SLOTS="*i64", eps="fp32")
+    rope.update(COS_SIN="*fp32", POSITIONS="*i64", BLOCK_TABLES="*i64", TOKEN_REQ="*i64",
+                eps="fp32")
     yield ("rope_and_cache qk-norm", tl_._rope_cache_kernel, rope,
-           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "QK_NORM": True, "PDL": pdl},
+           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
+            "QK_NORM": True, "PDL": pdl},
            (1, 3))
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", scale="fp32")

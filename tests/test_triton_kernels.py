@@ -157,7 +157,10 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
     rotary = RotaryEmbedding(head_dim, 100, 10000.0, {"rope_type": "default"}, DEV)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=DEV).to(dtype)
     positions = torch.tensor([0, 7, 8, 9, 63], device=DEV)
-    slot_mapping = torch.tensor([3, 40, 41, 42, 17], device=DEV)
+    # rows of two requests, blocks of 8 slots: the kernel looks the slots up itself
+    tables = torch.tensor([[0, 6, 2, 5, 1, 7, 4, 3], [4, 5, 6, 7, 0, 1, 3, 2]], device=DEV)
+    token_req = torch.tensor([0, 1, 1, 1, 0], device=DEV)
+    slot_mapping = torch.tensor([0, 39, 40, 41, 31], device=DEV)      # block * 8 + pos % 8
     q_norm, k_norm = RMSNorm(head_dim).to(DEV, dtype), RMSNorm(head_dim).to(DEV, dtype)
     nn.init.uniform_(q_norm.weight, 0.5, 1.5)
     nn.init.uniform_(k_norm.weight, 0.5, 1.5)
@@ -171,7 +174,7 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
     kc_ref[slot_mapping] = k_ref
     vc_ref[slot_mapping] = v.view(t, kv_heads, head_dim)
     norms = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else ()
-    q_got = rope_and_cache(qkv, positions, rotary.cos_sin, slot_mapping, caches[0],
+    q_got = rope_and_cache(qkv, positions, rotary.cos_sin, tables, token_req, 8, caches[0],
                            caches[1], heads, kv_heads, *norms)
     tol = TOL[dtype]
     torch.testing.assert_close(q_got.float(), q_ref.float(), atol=tol, rtol=tol)

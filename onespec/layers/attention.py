@@ -20,7 +20,6 @@ BACKENDS = ("torch", "triton")
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [T] cache slot each new row writes
     token_req: torch.Tensor             # [T] request index of each row
     positions: torch.Tensor             # [T]
     block_tables: torch.Tensor          # [B, nb]
@@ -31,6 +30,16 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None    # [B, KVmax] cache slot of each key position
     mask: torch.Tensor | None = None        # [B, 1, Qmax, KVmax] True = attend
     max_q: int = 0
+    slots: torch.Tensor | None = None       # slot_mapping once built
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] cache slot each new row writes; built on first use (the Triton decode path
+        looks slots up inside its rotary kernel and never needs it)."""
+        if self.slots is None:
+            self.slots = (self.block_tables[self.token_req, self.positions // self.block_size]
+                          * self.block_size + self.positions % self.block_size)
+        return self.slots
 
 
 def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int,
@@ -50,10 +59,7 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
         req = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
         idx = torch.arange(num_rows) - (torch.cumsum(lens, 0) - lens)[req]
         token_req, token_idx, max_q = req.to(device), idx.to(device), max(q_lens)
-    slot_mapping = (block_tables[token_req, positions // block_size] * block_size
-                    + positions % block_size)                               # [T]
-    meta = AttentionMetadata(slot_mapping, token_req, positions, block_tables, block_size,
-                             sliding_window)
+    meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window)
     if backend == "triton":
         return meta
     kv_pos = torch.arange(max_kv, device=device)                             # [KVmax]
@@ -77,15 +83,13 @@ def advance_decode_metadata(meta: AttentionMetadata, positions: torch.Tensor
     """Metadata of one row per request (q_lens == 1) moved to new positions [B]: the draft
     loop's later steps reuse the gathered key slots and rebuild only what moved."""
     if meta.kv_slots is None:
-        slots = (meta.block_tables[meta.token_req, positions // meta.block_size]
-                 * meta.block_size + positions % meta.block_size)
-        return replace(meta, positions=positions, slot_mapping=slots)
+        return replace(meta, positions=positions, slots=None)
     rows = meta.token_req
     key = torch.arange(meta.kv_slots.shape[1], device=positions.device)[None, :]
     mask = key <= positions[:, None]
     if meta.sliding_window is not None:
         mask &= key > positions[:, None] - meta.sliding_window
-    return replace(meta, positions=positions, slot_mapping=meta.kv_slots[rows, positions],
+    return replace(meta, positions=positions, slots=meta.kv_slots[rows, positions],
                    mask=mask[:, None, None, :])
 
 

@@ -12,8 +12,8 @@ between two weight streams is time the memory sits idle. The kernels here:
   stores rows * norm weight and per-program partial sums of squares, and the GEMV after
   it applies 1/rms in its epilogue.
 - `rope_and_cache`: splits a fused qkv projection into heads, applies the optional per-head
-  q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache and
-  returns the rotated queries.
+  q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache (at the
+  slot it looks up in the block table) and returns the rotated queries.
 
 On Hopper and newer every kernel is launched with programmatic dependent launch: it may
 start while its predecessor finishes (a linear layer begins streaming its first weight
@@ -294,10 +294,10 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
 
 @triton.jit
 def _rope_cache_kernel(
-        QKV, COS_SIN, POSITIONS, SLOTS, Q_NORM_W, K_NORM_W, Q_OUT, K_CACHE, V_CACHE,
-        stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, eps,
-        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-        QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        QKV, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_NORM_W, K_NORM_W, Q_OUT, K_CACHE,
+        V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt,
+        eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)              # q heads, then kv heads
@@ -328,7 +328,10 @@ def _rope_cache_kernel(
         tl.store(out + HALF + d, o2.to(Q_OUT.dtype.element_ty))
     else:
         kv_head = head - NUM_Q_HEADS
-        slot = tl.load(SLOTS + row).to(tl.int64)
+        # the row's cache slot, from its request's block table (no slot tensor to build)
+        req = tl.load(TOKEN_REQ + row)
+        block = tl.load(BLOCK_TABLES + req * stride_bt + pos // BLOCK_SIZE).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         dst = slot * stride_ct + kv_head * stride_ch
         tl.store(K_CACHE + dst + d, o1.to(K_CACHE.dtype.element_ty))
         tl.store(K_CACHE + dst + HALF + d, o2.to(K_CACHE.dtype.element_ty))
@@ -338,10 +341,12 @@ def _rope_cache_kernel(
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, token_req: torch.Tensor, block_size: int,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, q_norm_weight=None, k_norm_weight=None,
                    eps: float = 1e-6) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v go to cache slots."""
+    """qkv [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache slot
+    of each row's position in its request's (token_req [T]) block table [B, nb]."""
     t = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -350,10 +355,10 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     qk_norm = q_norm_weight is not None
     pdl = pdl_supported(qkv.device)
     _rope_cache_kernel[(t, num_heads + num_kv_heads)](
-        qkv, cos_sin, positions, slot_mapping,
+        qkv, cos_sin, positions, block_tables, token_req,
         q_norm_weight if qk_norm else cos_sin, k_norm_weight if qk_norm else cos_sin,
         q, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), eps,
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-        QK_NORM=qk_norm, PDL=pdl, num_warps=1, **pdl_launch(pdl))
+        BLOCK_SIZE=block_size, QK_NORM=qk_norm, PDL=pdl, num_warps=1, **pdl_launch(pdl))
     return q

@@ -127,7 +127,8 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]; writes this step's KV."""
         if fast and rotary.fused_ok:
             from onespec.layers.triton_linear import rope_and_cache
-            q = rope_and_cache(qkv, positions, rotary.cos_sin, meta.slot_mapping, self.k_cache,
+            q = rope_and_cache(qkv, positions, rotary.cos_sin, meta.block_tables,
+                               meta.token_req, meta.block_size, self.k_cache,
                                self.v_cache, self.num_heads, self.num_kv_heads,
                                *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
                                  if self.qk_norm else ()))

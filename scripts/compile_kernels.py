@@ -60,7 +60,8 @@ def cases(arch: int):
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "ARGMAX": True},
            plain_cfg[2:])
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
-           {"VAL": "*fp32", "IDX": "*i32", "OUT": "*i64"}, {"BLOCK_P": 4096, "PDL": pdl},
+           {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
+           {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
            (4, 1))
     yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
            {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},

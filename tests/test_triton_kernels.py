@@ -111,6 +111,9 @@ def test_small_linear_argmax_matches_torch(dtype, rows, norm):
     assert got.shape == (rows,) and got.dtype == torch.int64
     logits = fused_linear(lin, x, out_dtype=torch.float32, fast=True, **kw)
     assert torch.equal(got, logits.argmax(-1))
+    offsets = torch.randint(0, 1000, (300,), device=DEV)          # a draft->target map
+    assert torch.equal(fused_linear_argmax(lin, x, offsets=offsets, fast=True, **kw),
+                       got + offsets[got])
     ref = fused_linear(lin, x, out_dtype=torch.float32, **kw)
     if dtype == torch.float32:
         assert torch.equal(got, ref.argmax(-1))
@@ -248,11 +251,11 @@ def test_fast_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residua
         pos = torch.arange(3, 7, device=DEV)
         meta = build_attention_metadata(tables, 4, pos, 8, 7, None, backend)
         h = drafter.forward(ids[:4], pos, drafter.initial_hidden(captured, None), meta)
-        outs = [h, drafter.compute_logits(h), drafter.greedy_ids(h)]
+        outs = [h, drafter.compute_logits(h), drafter.greedy_target_ids(h)]
         pos = torch.tensor([7], device=DEV)
         meta = build_attention_metadata(tables, 1, pos, 8, 8, None, backend)
         h = drafter.forward(ids[4:], pos, h[-1:], meta)
-        results[fast] = outs + [h, drafter.compute_logits(h), drafter.greedy_ids(h)]
+        results[fast] = outs + [h, drafter.compute_logits(h), drafter.greedy_target_ids(h)]
     for got, ref in zip(results[True], results[False]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 

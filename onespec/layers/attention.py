@@ -53,7 +53,8 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
     num_rows = positions.shape[0]
     if isinstance(q_lens, int):
         rows = torch.arange(num_rows, device=device)
-        token_req, token_idx, max_q = rows // q_lens, rows % q_lens, q_lens
+        token_req = rows if q_lens == 1 else rows // q_lens
+        token_idx, max_q = None, q_lens        # built below for the torch backend only
     else:
         lens = torch.tensor(q_lens, dtype=torch.int64)
         req = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
@@ -62,6 +63,8 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
     meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window)
     if backend == "triton":
         return meta
+    if token_idx is None:
+        token_idx = torch.arange(num_rows, device=device) % q_lens
     kv_pos = torch.arange(max_kv, device=device)                             # [KVmax]
     need = -(-max_kv // block_size)
     tables = block_tables if block_tables.shape[1] >= need else \

@@ -40,17 +40,19 @@ def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = No
 
 
 def fused_linear_argmax(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = None,
-                        fast: bool = False) -> torch.Tensor:
+                        offsets: torch.Tensor | None = None, fast: bool = False
+                        ) -> torch.Tensor:
     """argmax over the float32 outputs of layer(norm(x)) per row [N] int64 (greedy
-    decoding): with `fast`, the GEMV's tiles reduce their own columns and the logits are
-    never written (triton_linear.small_linear(argmax=True))."""
+    decoding), plus offsets[argmax] if given: with `fast`, the GEMV's tiles reduce their
+    own columns and the logits are never written (small_linear(argmax=True))."""
     if fast and x.shape[0] <= MAX_FAST_ROWS and x.dim() == 2 and not torch.is_grad_enabled():
         from onespec.layers.triton_linear import small_linear
         return small_linear(x, layer.weight, layer.bias,
                             norm_weight=None if norm is None else norm.weight,
                             eps=1e-6 if norm is None else norm.eps,
-                            out_dtype=torch.float32, argmax=True)
-    return fused_linear(layer, x, norm=norm, out_dtype=torch.float32).argmax(-1)
+                            out_dtype=torch.float32, argmax=True, argmax_offsets=offsets)
+    ids = fused_linear(layer, x, norm=norm, out_dtype=torch.float32).argmax(-1)
+    return ids if offsets is None else ids + offsets[ids]
 
 
 def fused_rms_norm(norm: RMSNorm, x: torch.Tensor, fast: bool = False,

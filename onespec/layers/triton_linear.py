@@ -145,9 +145,11 @@ def _small_linear_kernel(
 
 
 @triton.jit
-def _argmax_reduce_kernel(VAL, IDX, OUT, P, stride, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+def _argmax_reduce_kernel(VAL, IDX, OFFSETS, OUT, P, stride, BLOCK_P: tl.constexpr,
+                          HAS_OFFSETS: tl.constexpr, PDL: tl.constexpr):
     """Per row: the best of the tiles' (max, argmax) pairs, the lowest column on ties (as
-    torch.argmax picks the first maximal value)."""
+    torch.argmax picks the first maximal value), plus OFFSETS[column] if given (a draft
+    vocabulary's map to target ids)."""
     pdl_start(PDL)
     row = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
@@ -156,7 +158,10 @@ def _argmax_reduce_kernel(VAL, IDX, OUT, P, stride, BLOCK_P: tl.constexpr, PDL: 
     i = tl.load(IDX + row * stride + p, mask=ok, other=0)
     best = tl.max(v, 0)
     big = tl.full([BLOCK_P], 2147483647, tl.int32)
-    tl.store(OUT + row, tl.min(tl.where(ok & (v == best), i, big), 0).to(tl.int64))
+    token = tl.min(tl.where(ok & (v == best), i, big), 0).to(tl.int64)
+    if HAS_OFFSETS:
+        token += tl.load(OFFSETS + token)
+    tl.store(OUT + row, token)
 
 
 @triton.jit
@@ -229,13 +234,15 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                  gated: bool = False, residual: torch.Tensor | None = None,
                  norm_out: tuple[torch.Tensor, float] | None = None,
                  out_dtype: torch.dtype | None = None, argmax: bool = False,
+                 argmax_offsets: torch.Tensor | None = None,
                  config: tuple[int, int, int, int] | None = None):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
 
     x may be a Prenormed (the RMSNorm of its producer). norm_out=(weight, eps), with a
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
-    is never written). config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    is never written), plus argmax_offsets[argmax] [N] int64 if given.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -285,9 +292,11 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     if argmax:
-        _argmax_reduce_kernel[(m,)](arg[0], arg[1], arg[2], grid, grid,
-                                    BLOCK_P=triton.next_power_of_2(grid), PDL=pdl,
-                                    num_warps=4, **pdl_launch(pdl))
+        offsets = argmax_offsets
+        _argmax_reduce_kernel[(m,)](arg[0], arg[1], arg[2] if offsets is None else offsets,
+                                    arg[2], grid, grid, BLOCK_P=triton.next_power_of_2(grid),
+                                    HAS_OFFSETS=offsets is not None, PDL=pdl, num_warps=4,
+                                    **pdl_launch(pdl))
         return arg[2]
     return out if nxt is None else (out, nxt)
 

@@ -124,9 +124,10 @@ class Eagle3Head(nn.Module):
         return fused_linear(self.lm_head, hidden, norm=self.norm, out_dtype=torch.float32,
                             fast=self.fast_kernels)                         # [N, Vd]
 
-    def compute_greedy(self, hidden):
-        """compute_logits(hidden).argmax(-1) [N] draft ids; no logits written when fast."""
-        return fused_linear_argmax(self.lm_head, hidden, norm=self.norm,
+    def greedy_target_ids(self, hidden):
+        """to_target_ids(compute_logits(hidden).argmax(-1)) [N]; when fast, no logits are
+        written and the map to target ids happens in the argmax's last kernel."""
+        return fused_linear_argmax(self.lm_head, hidden, norm=self.norm, offsets=self.d2t,
                                    fast=self.fast_kernels)
 
     def to_target_ids(self, draft_ids):

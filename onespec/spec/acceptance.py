@@ -18,6 +18,7 @@ FORCED_POOL_SIZE = 4096
 FORCED_POOL_SEED = 0
 FORCED_POOL_STRIDE = 131   # step stride into the pool; coprime with the pool size
 _forced_pools: dict[str, Tensor] = {}
+_forced_counts: dict[tuple, Tensor] = {}
 
 
 def _num_leading_true(mask: Tensor) -> Tensor:  # [B, K] bool -> [B] int64
@@ -94,10 +95,12 @@ def forced_num_accepted(acceptance_length: float, num_requests: int, k: int, ste
     u for request i at `step` is pool[(step * 131 + i) % 4096] from a fixed seeded pool.
     """
     device = torch.device(device)
-    pool = _forced_pool(device)
-    whole = math.floor(acceptance_length)
-    frac = acceptance_length - whole
-    start = (step * FORCED_POOL_STRIDE) % FORCED_POOL_SIZE
-    idx = (start + torch.arange(num_requests, device=device)) % FORCED_POOL_SIZE
-    n = whole + (pool[idx] < frac).long()
-    return n.clamp(min=1, max=k + 1)
+    key = (str(device), acceptance_length, k)
+    if key not in _forced_counts:          # n for every pool entry, built once per (a, K)
+        whole = math.floor(acceptance_length)
+        frac = acceptance_length - whole
+        n = whole + (_forced_pool(device) < frac).long()
+        _forced_counts[key] = n.clamp(min=1, max=k + 1)
+    idx = (step * FORCED_POOL_STRIDE + torch.arange(num_requests, device=device)) \
+        % FORCED_POOL_SIZE
+    return _forced_counts[key][idx]

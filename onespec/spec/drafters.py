@@ -5,7 +5,7 @@
     initial_hidden(captured, final)     step-0 hidden input           -> [T, H]
     forward(ids, positions, h, meta)    one draft layer pass, writes draft KV -> pre-norm [T, H]
     compute_logits(h)                   draft-vocab logits            -> [N, Vd]
-    greedy_ids(h)                       argmax of those logits        -> [N] draft ids
+    greedy_target_ids(h)                their argmax, as target ids   -> [N]
     to_target_ids(ids)                  draft ids -> target ids
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Eagle3Drafter:
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)                             # [N, Vd]
 
-    def greedy_ids(self, hidden):
-        return self.head.compute_greedy(hidden)                             # [N]
+    def greedy_target_ids(self, hidden):
+        return self.head.greedy_target_ids(hidden)                          # [N]
 
     def to_target_ids(self, draft_ids):
         return self.head.to_target_ids(draft_ids)

@@ -106,18 +106,20 @@ class SpecWorker:
             return empty, None
         # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
         ids = inp.shift_ids.clone()
-        ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
-                                             ids[inp.ctx_last_rows])
+        if inp.num_ctx:
+            ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
+                                                 ids[inp.ctx_last_rows])
         ids[inp.gen_start:] = accepted.reshape(-1)
         h = self.drafter.initial_hidden(captured, hidden)
         h = self.drafter.forward(ids, inp.positions, h, inp.meta)              # [T, H]
         if k == 0:
             return empty, None
-        gen_last = (inp.gen_start + torch.arange(bg, device=device) * (k + 1)
-                    + num_accepted - 1)
-        rows = torch.cat([inp.draft_ctx_rows, gen_last])                     # [Bd]
+        gen_last = torch.arange(inp.gen_start - 1, inp.gen_start - 1 + bg * (k + 1), k + 1,
+                                device=device) + num_accepted
+        rows = torch.cat([inp.draft_ctx_rows, gen_last]) if inp.num_ctx else gen_last  # [Bd]
         h, pos = h[rows], inp.positions[rows]
-        block_tables = inp.block_tables[inp.draft_reqs]
+        # without context chunks every request drafts, in batch order
+        block_tables = inp.block_tables[inp.draft_reqs] if inp.num_ctx else inp.block_tables
         drafts, probs = [], []
         meta = None
         for step in range(k):
@@ -138,7 +140,7 @@ class SpecWorker:
         with rejection sampling. Returns [Bd] target ids and q [Bd, V] (None without
         rejection sampling)."""
         if not self.use_rejection_sampling:
-            return self.drafter.to_target_ids(self.drafter.greedy_ids(h)), None
+            return self.drafter.greedy_target_ids(h), None
         draft_logits = self.drafter.compute_logits(h)                        # [B, Vd]
         q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]
         token = self.drafter.to_target_ids(sample_from_probs(q, st.generators, self.generator))

@@ -7,8 +7,8 @@ bench/decode.py), prints one JSON line per mode:
   - step_ms (engine.step, host included), replay_ms (the captured graph replayed back to
     back) and host_ms (their difference: scheduling, input copies, the device-to-host copy);
   - phases: the graph is captured once more with a tiny marker kernel after each phase
-    (target forward, target logits, acceptance, draft fc, each draft pass, each draft logits
-    + pick) and replayed under torch.profiler; each phase's time is the span between its
+    (target forward, target lm_head + argmax, acceptance, draft fc, each draft pass, each
+    draft lm_head + argmax) and replayed under torch.profiler; each phase's time is the span between its
     markers (so PDL overlap inside a phase counts once), with its kernel count;
   - one target layer's kernel sequence (name, start offset, duration in µs).
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
@@ -19,7 +19,6 @@ import argparse
 import functools
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -62,14 +61,13 @@ def install_markers(worker, labels: list[str]):
     worker.step = reset_then_step
     t = worker.target
     t.forward = marked("target forward", t.forward)
-    t.compute_logits = marked("target logits", t.compute_logits)
+    t.greedy_tokens = marked("target lm_head+argmax", t.greedy_tokens)
     worker._accept = marked("accept", worker._accept)
     if worker.drafter is not None:
         d = worker.drafter
         d.initial_hidden = marked("draft fc", d.initial_hidden)
         d.forward = marked("draft pass", d.forward)
-        d.compute_logits = marked("draft logits", d.compute_logits)
-        worker._pick = marked("draft pick", worker._pick)
+        worker._pick = marked("draft lm_head+argmax", worker._pick)
 
 
 def kernels_of(prof) -> list[tuple[str, float, float]]:
@@ -161,21 +159,14 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
             eng.step()
 
     sweep = []
-    for mb in args.prefetch_mb:          # L2 prefetch budgets: re-capture under each
-        os.environ["ONESPEC_L2_PREFETCH_MB"] = mb
-        restart(True)
-        sweep.append({"l2_prefetch_mb": float(mb), "step_ms": round(mean_ms(eng.step, 50), 3),
-                      "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
-    os.environ.pop("ONESPEC_L2_PREFETCH_MB", None)
-    if args.default_mb is not None:
-        os.environ["ONESPEC_L2_PREFETCH_MB"] = args.default_mb
-    default_attention = ta.triton_paged_attention
-    for cfg in args.attn_configs:        # attention tilings (BLOCK_N, warps, stages)
-        ta.triton_paged_attention = functools.partial(default_attention, config=cfg)
+    default_attention, default_splits = ta.triton_paged_attention, ta.SPLITS
+    for cfg in args.attn_configs:        # attention (BLOCK_N, warps, stages[, splits])
+        ta.SPLITS = cfg[3] if len(cfg) > 3 else default_splits
+        ta.triton_paged_attention = functools.partial(default_attention, config=cfg[:3])
         restart(True)
         sweep.append({"attention_config": cfg, "step_ms": round(mean_ms(eng.step, 50), 3),
                       "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
-    ta.triton_paged_attention = default_attention
+    ta.triton_paged_attention, ta.SPLITS = default_attention, default_splits
     restart(True)
     host = host_breakdown(eng)
     restart(False)
@@ -198,7 +189,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     out = {"mode": "plain" if k == 0 else f"K={k} a={acceptance:g}", "batch": args.batch,
            "step_ms": round(step_ms, 3), "replay_ms": round(replay_ms, 3),
            "host_ms": round(step_ms - replay_ms, 3), "host_parts_ms": host,
-           "prefetch_sweep": sweep,
+           "sweep": sweep,
            "replay_marked_ms": round(replay_marked_ms, 3),
            "kernels_per_step": len(kern) // replays - len(labels),
            "phases": phase_table(kern, labels, replays),
@@ -216,15 +207,12 @@ def main():
     p.add_argument("--acceptance", type=float, default=3.0)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--prefetch-mb", default="",
-                   help="comma-separated ONESPEC_L2_PREFETCH_MB values to time first")
     p.add_argument("--attn-configs", default="",
-                   help="attention tilings to time first, e.g. 256:8:3,128:4:2")
+                   help="attention tilings to time first, BLOCK_N:warps:stages[:splits], "
+                        "e.g. 64:4:2:16,32:4:2:32")
     args = p.parse_args()
-    args.prefetch_mb = [v for v in args.prefetch_mb.split(",") if v]
     args.attn_configs = [tuple(int(x) for x in c.split(":"))
                          for c in args.attn_configs.split(",") if c]
-    args.default_mb = os.environ.get("ONESPEC_L2_PREFETCH_MB")
     if not torch.cuda.is_available():
         sys.exit("profile_graph_step.py needs CUDA")
     root = tempfile.mkdtemp()

@@ -5,6 +5,12 @@ row's visible key positions [max(0, pos - window + 1), pos] in tiles of BLOCK_N 
 request's block table, and keeps an online softmax. Prefill chunks, K+1 verify rows and
 single-token draft rows are all just rows with a request index and a position, so one
 kernel serves all three, and its metadata is built on the device (CUDA-graph safe).
+
+Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over SPLITS
+programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores its partial
+softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
+the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8,
+and a row's result depends only on its own keys, never on the other rows of the batch.
 """
 from __future__ import annotations
 
@@ -12,22 +18,36 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers.triton_linear import pdl_launch, pdl_start, pdl_supported
+from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl_supported
 
 NO_WINDOW = 1 << 30
+MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split their keys
+SPLITS = 16
+SPLIT_BLOCK_N = 64
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (row, kv head); each launch leaves them zero again.
+    Sized once per device so CUDA graphs keep pointing at the same memory."""
+    t = _tickets.get(device)
+    if t is None or t.numel() < n:
+        t = _tickets[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
 
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT,
+        Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
-        scale, window,
+        scale, window, num_kv_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
+        SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(TOKEN_REQ + row)
     pos = tl.load(POSITIONS + row)
     g = tl.arange(0, GROUP_PAD)
@@ -40,7 +60,8 @@ def _paged_attention_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     lo = tl.maximum(pos - window + 1, 0)
-    for start in range(lo, pos + 1, BLOCK_N):
+    # this split's key tiles: split, split + SPLITS, ... (all of them when SPLITS == 1)
+    for start in range(lo + split * BLOCK_N, pos + 1, SPLITS * BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n <= pos
         block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
@@ -48,8 +69,8 @@ def _paged_attention_kernel(
         kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)          # [N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(n_ok[None, :], s * scale, float("-inf"))          # [G, N]
@@ -59,14 +80,53 @@ def _paged_attention_kernel(
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / l[:, None]
-    tl.store(OUT + row * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    out_ptrs = OUT + row * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :]
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
+    else:
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, lo, pos,
+                      row * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, BLOCK_N,
+                      SPLITS)
+
+
+@triton.jit
+def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, lo, pos, unit,
+                  split, g, d, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Store this split's (acc, m, l); the last of the unit's splits to arrive merges them
+    all in split order (the same arithmetic whichever program comes last)."""
+    active = tl.minimum(tl.cdiv(pos + 1 - lo, BLOCK_N), SPLITS)       # splits with keys
+    base = unit * SPLITS
+    if split < active:
+        tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
+        tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
+        tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
+    # release: the partials above are visible to whoever draws the last ticket (acquire)
+    ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
+    if ticket == SPLITS - 1:
+        tl.store(TICKETS + unit, 0)                     # ready for the next launch
+        m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_all = tl.zeros([GROUP_PAD], tl.float32)
+        o_all = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for s in range(0, active):
+            o_s = tl.load(PART_O + ((base + s) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :],
+                          cache_modifier=".cg")
+            m_s = tl.load(PART_ML + ((base + s) * 2) * GROUP_PAD + g, cache_modifier=".cg")
+            l_s = tl.load(PART_ML + ((base + s) * 2 + 1) * GROUP_PAD + g, cache_modifier=".cg")
+            m_new = tl.maximum(m_all, m_s)
+            a = tl.exp(m_all - m_new)
+            b = tl.exp(m_s - m_new)
+            l_all = l_all * a + l_s * b
+            o_all = o_all * a[:, None] + o_s * b[:, None]
+            m_all = m_new
+        tl.store(out_ptrs, (o_all / l_all[:, None]).to(out_ptrs.dtype.element_ty),
+                 mask=out_mask)
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
@@ -83,18 +143,31 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         return out
     # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
     # 64 (scripts/sweep_small_linear.py on an H200)
+    splits = SPLITS if num_rows <= MAX_SPLIT_ROWS else 1
     if config is None:
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
-        config = (256, 8, 3) if wide else (64 if head_dim <= 128 else 32, 4, 3)
+        narrow = 64 if head_dim <= 128 else 32
+        config = (min(SPLIT_BLOCK_N, narrow), 4, 2) if splits > 1 else \
+            (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
     pdl = pdl_supported(q.device)
-    grid = (num_rows, num_kv_heads)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, token_req, positions, out,
+    group_pad = max(16, triton.next_power_of_2(group))
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    units = num_rows * num_kv_heads
+    if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
+        part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
+                             device=q.device)
+        part_ml = torch.empty(units * splits * 2 * group_pad, dtype=torch.float32,
+                              device=q.device)
+        tickets = _ticket_counters(q.device, units)
+    else:
+        part_o = part_ml = tickets = out
+    _paged_attention_kernel[(num_rows, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or NO_WINDOW,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=warps,
-        num_stages=stages, **pdl_launch(pdl))
+        out.stride(0), out.stride(1), scale, window or NO_WINDOW, num_kv_heads,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        IEEE=q.dtype == torch.float32 or INTERPRETED,
+        PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return out

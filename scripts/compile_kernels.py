@@ -70,6 +70,9 @@ def cases(arch: int):
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))
+    yield ("embed + norms (EAGLE-3 input)", tl_._embed_norm_concat_kernel,
+           {"IDS": "*i64", "TABLE": "*bf16", "HID": "*bf16", "W_E": "*bf16", "W_H": "*bf16",
+            "Y": "*bf16", "eps_e": "fp32", "eps_h": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
     rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
                                  "V_CACHE")}
     rope.update(COS_SIN="*fp32", POSITIONS="*i64", BLOCK_TABLES="*i64", TOKEN_REQ="*i64",

@@ -99,17 +99,19 @@ def _paged_attention_kernel(
 def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, lo, pos, unit,
                   split, g, d, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    """Store this split's (acc, m, l); the last of the unit's splits to arrive merges them
-    all in split order (the same arithmetic whichever program comes last)."""
+    """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
+    merges them all in split order (the same arithmetic whichever program comes last).
+    Splits without keys (short rows) leave at once."""
     active = tl.minimum(tl.cdiv(pos + 1 - lo, BLOCK_N), SPLITS)       # splits with keys
     base = unit * SPLITS
-    if split < active:
-        tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
-        tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
-        tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
+    if split >= active:
+        return
+    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
+    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
+    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
     # release: the partials above are visible to whoever draws the last ticket (acquire)
     ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
-    if ticket == SPLITS - 1:
+    if ticket == active - 1:
         tl.store(TICKETS + unit, 0)                     # ready for the next launch
         m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_all = tl.zeros([GROUP_PAD], tl.float32)

@@ -165,23 +165,62 @@ def _argmax_reduce_kernel(VAL, IDX, OFFSETS, OUT, P, stride, BLOCK_P: tl.constex
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    pdl_start(PDL)
-    row = tl.program_id(0)
+def _rms_row(X, W, Y, K, eps, BLOCK: tl.constexpr):
+    """Y[:K] = RMSNorm(X[:K]) * W for one row; X is read as Y's dtype (a cast first)."""
     k = tl.arange(0, BLOCK)
+    dt = Y.dtype.element_ty
     sq = tl.zeros([BLOCK], tl.float32)
     for k0 in range(0, K, BLOCK):
-        x = tl.load(X + row * stride_x + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        x = tl.load(X + k0 + k, mask=k0 + k < K, other=0.0).to(dt).to(tl.float32)
         sq += x * x
     rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     for k0 in range(0, K, BLOCK):
         ok = k0 + k < K
-        x = tl.load(X + row * stride_x + k0 + k, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X + k0 + k, mask=ok, other=0.0).to(dt).to(tl.float32)
         w = tl.load(W + k0 + k, mask=ok, other=0.0).to(tl.float32)
         # as RMSNorm does: normalise in float32, cast back, then scale by the weight
-        normed = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(Y + row * stride_y + k0 + k, (normed * w).to(Y.dtype.element_ty), mask=ok)
+        normed = (x * rstd).to(dt).to(tl.float32)
+        tl.store(Y + k0 + k, (normed * w).to(dt), mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, K, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    _rms_row(X + row * stride_x, W, Y + row * stride_y, K, eps, BLOCK)
+
+
+@triton.jit
+def _embed_norm_concat_kernel(IDS, TABLE, HID, W_E, W_H, Y, K, stride_t, stride_h, stride_y,
+                              eps_e, eps_h, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Y[row] = concat(RMSNorm_e(TABLE[IDS[row]]), RMSNorm_h(HID[row])): program (row, 0)
+    gathers and normalises the token's embedding, (row, 1) the hidden state."""
+    pdl_start(PDL)
+    row = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        token = tl.load(IDS + row).to(tl.int64)
+        _rms_row(TABLE + token * stride_t, W_E, Y + row * stride_y, K, eps_e, BLOCK)
+    else:
+        _rms_row(HID + row * stride_h, W_H, Y + row * stride_y + K, K, eps_h, BLOCK)
+
+
+def embed_norm_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor,
+                      embed_norm: tuple[torch.Tensor, float],
+                      hidden_norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """concat(norm_e(table[ids]), norm_h(hidden)) [T, 2H] in hidden's dtype (the embedding
+    rows cast to it first): an EAGLE-3 layer's input in one kernel. Norms: (weight, eps)."""
+    t, k = hidden.shape
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    out = torch.empty(t, 2 * k, dtype=hidden.dtype, device=hidden.device)
+    if t:
+        pdl = pdl_supported(hidden.device)
+        _embed_norm_concat_kernel[(t, 2)](
+            ids, table, hidden, embed_norm[0], hidden_norm[0], out, k, table.stride(0),
+            hidden.stride(0), out.stride(0), embed_norm[1], hidden_norm[1],
+            BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl, num_warps=8,
+            **pdl_launch(pdl))
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from onespec.layers.linear import fused_linear, fused_linear_argmax, fused_rms_norm
+from onespec.layers.linear import (MAX_FAST_ROWS, fused_linear, fused_linear_argmax,
+                                   fused_rms_norm)
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
@@ -75,12 +77,23 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, fast=False):
+    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, fast=False,
+                ids=None, table=None):
+        """embeds [T, H], or None with token ids [T] and the embedding table."""
         h = hidden.shape[-1]
-        a = hidden.new_empty(hidden.shape[0], 2 * h)                         # [T, 2H]
-        fused_rms_norm(self.input_layernorm, embeds, fast, out=a[:, :h])
-        normed = fused_rms_norm(self.hidden_norm, hidden, fast, out=a[:, h:])
-        residual = normed if self.norm_before_residual else hidden
+        if fast and embeds is None and hidden.shape[0] <= MAX_FAST_ROWS \
+                and not torch.is_grad_enabled():
+            from onespec.layers.triton_linear import embed_norm_concat
+            e_norm, h_norm = self.input_layernorm, self.hidden_norm
+            a = embed_norm_concat(ids, table, hidden, (e_norm.weight, e_norm.eps),
+                                  (h_norm.weight, h_norm.eps))                # [T, 2H]
+        else:
+            if embeds is None:
+                embeds = F.embedding(ids, table).to(hidden.dtype)
+            a = hidden.new_empty(hidden.shape[0], 2 * h)                     # [T, 2H]
+            fused_rms_norm(self.input_layernorm, embeds, fast, out=a[:, :h])
+            fused_rms_norm(self.hidden_norm, hidden, fast, out=a[:, h:])
+        residual = a[:, h:] if self.norm_before_residual else hidden
         if attn_fn is None:
             h = self.self_attn(a, positions, rotary, meta, residual=residual, fast=fast)
         else:
@@ -112,10 +125,12 @@ class Eagle3Head(nn.Module):
         self.rotary = RotaryEmbedding(d.head_dim, max_positions, d.rope_theta, d.rope_scaling,
                                       device)
 
-    def forward(self, embeds, hidden, positions, meta):
-        """embeds [T, H] (token embeddings), hidden [T, H] -> pre-norm output [T, H]."""
+    def forward(self, embeds, hidden, positions, meta, ids=None, table=None):
+        """embeds [T, H] (token embeddings; or None, with token ids [T] and the embedding
+        table), hidden [T, H] -> pre-norm output [T, H]."""
         fast = self.fast_kernels
-        h = self.layers[0](embeds, hidden, positions, self.rotary, meta, fast=fast)
+        h = self.layers[0](embeds, hidden, positions, self.rotary, meta, fast=fast, ids=ids,
+                           table=table)
         for layer in self.layers[1:]:
             h = layer(h, positions, self.rotary, meta, fast)
         return h

@@ -39,8 +39,9 @@ class Eagle3Drafter:
                             fast=self.head.fast_kernels)                    # [T, H]
 
     def forward(self, input_ids, positions, hidden, meta):
-        embeds = self.embed(input_ids).to(self.dtype)
-        return self.head(embeds, hidden, positions, meta)                   # [T, H]
+        # the head gathers the embedding rows itself (one kernel with its input norms)
+        return self.head(None, hidden, positions, meta, ids=input_ids,
+                         table=self.embed.weight)                           # [T, H]
 
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)                             # [N, Vd]

@@ -81,8 +81,8 @@ class Eagle3Layer(nn.Module):
                 ids=None, table=None):
         """embeds [T, H], or None with token ids [T] and the embedding table."""
         h = hidden.shape[-1]
-        if fast and embeds is None and hidden.shape[0] <= MAX_FAST_ROWS \
-                and not torch.is_grad_enabled():
+        decode = fast and hidden.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled()
+        if decode and embeds is None:
             from onespec.layers.triton_linear import embed_norm_concat
             e_norm, h_norm = self.input_layernorm, self.hidden_norm
             a = embed_norm_concat(ids, table, hidden, (e_norm.weight, e_norm.eps),
@@ -94,11 +94,27 @@ class Eagle3Layer(nn.Module):
             fused_rms_norm(self.input_layernorm, embeds, fast, out=a[:, :h])
             fused_rms_norm(self.hidden_norm, hidden, fast, out=a[:, h:])
         residual = a[:, h:] if self.norm_before_residual else hidden
+        if decode and attn_fn is None:
+            return self._forward_decode(a, residual, positions, rotary, meta)
         if attn_fn is None:
             h = self.self_attn(a, positions, rotary, meta, residual=residual, fast=fast)
         else:
             h = residual + attn_fn(a, positions, rotary, meta)
         return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
+
+
+    def _forward_decode(self, a, residual, positions, rotary, meta):
+        """The layer on the Triton path, with the post-attention RMSNorm split across
+        o_proj (which leaves rows * weight and partial sums of squares) and gate_up
+        (which applies 1/rms), as DecoderLayer.forward_decode does."""
+        from onespec.layers.triton_linear import small_linear
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        qkv = small_linear(a, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = attn.attend(qkv, positions, rotary, meta, fast=True)
+        h, pre = small_linear(out, attn.o_proj.weight, residual=residual,
+                              norm_out=(post.weight, post.eps))
+        act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+        return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
 
 class Eagle3Head(nn.Module):

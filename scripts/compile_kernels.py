@@ -84,12 +84,14 @@ def cases(arch: int):
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", scale="fp32")
-    base = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16,
+    base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16,
             "PDL": pdl}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
-    yield ("attention bf16 decode (split keys)", ta._paged_attention_kernel, attn,
-           {**base, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS, "IEEE": False}, (4, 2))
+    yield ("attention bf16 decode (split keys, 4-row verify packs)",
+           ta._paged_attention_kernel, attn,
+           {**base, "ROWS": 4, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS,
+            "IEEE": False}, (4, 2))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

@@ -222,19 +222,24 @@ def _attention_case(dtype, heads, kv_heads, head_dim, q_lens, starts, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (6, 2, 24)])
 @pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("batch", ["mixed", "verify", "verify-wide"])
 @torch.inference_mode()
-def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window):
+def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window, batch):
     """Decode-sized launches split each row's keys over 16 programs and merge them in the
     last one: equal to the portable attention, from a few keys (most splits idle) to
-    1,200 (splits of two tiles), with and without a sliding window."""
+    1,200 (splits of two tiles), with and without a sliding window. 'verify': 4-row
+    requests share programs (one read of each key tile); 'verify-wide': 20 rows, no
+    split, still packed."""
     from onespec.layers.attention import cached_attention
-    q_lens, starts = [1, 4, 1], [1200, 700, 2]
+    q_lens, starts = {"mixed": ([1, 4, 1], [1200, 700, 2]),
+                      "verify": ([4] * 3, [1200, 700, 2]),
+                      "verify-wide": ([4] * 5, [1200, 700, 2, 64, 333])}[batch]
     q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
                                                       q_lens, starts)
     outs = []
     for backend in ("torch", "triton"):
-        meta = build_attention_metadata(tables, q_lens, positions, bs,
-                                        int(positions.max()) + 1, window, backend)
+        meta = build_attention_metadata(tables, 4 if "verify" in batch else q_lens, positions,
+                                        bs, int(positions.max()) + 1, window, backend)
         outs.append(cached_attention(q, kc, vc, meta, head_dim ** -0.5).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
@@ -243,12 +248,16 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window)
 @torch.inference_mode()
 def test_split_attention_rows_do_not_depend_on_the_batch():
     """A verify row and the same row decoded alone get bit-identical attention (so greedy
-    speculation matches plain decoding exactly); the ticket counters end at zero."""
+    speculation matches plain decoding exactly), batched, and packed with its request's
+    other verify rows; the ticket counters end at zero."""
     from onespec.layers import triton_attention as ta
     q, kc, vc, tables, positions, bs = _attention_case(torch.float32, 4, 2, 32, [4, 1],
                                                       [900, 60])
     req = torch.tensor([0, 0, 0, 0, 1], device=DEV)
     together = ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs)
+    packed = ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4], 0.2, bs,
+                                       rows_per_request=4)
+    assert torch.equal(packed, together[:4])
     for i in range(5):
         alone = ta.triton_paged_attention(q[i:i + 1], kc, vc, tables, req[i:i + 1],
                                           positions[i:i + 1], 0.2, bs)

@@ -30,6 +30,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None    # [B, KVmax] cache slot of each key position
     mask: torch.Tensor | None = None        # [B, 1, Qmax, KVmax] True = attend
     max_q: int = 0
+    rows_per_request: int = 0               # every request's row count, if all are equal
     slots: torch.Tensor | None = None       # slot_mapping once built
 
     @property
@@ -60,7 +61,8 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
         req = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
         idx = torch.arange(num_rows) - (torch.cumsum(lens, 0) - lens)[req]
         token_req, token_idx, max_q = req.to(device), idx.to(device), max(q_lens)
-    meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window)
+    meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window,
+                             rows_per_request=q_lens if isinstance(q_lens, int) else 0)
     if backend == "triton":
         return meta
     if token_idx is None:
@@ -109,7 +111,8 @@ def cached_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         from onespec.layers.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_req,
                                       meta.positions, scale, meta.block_size,
-                                      meta.sliding_window)
+                                      meta.sliding_window,
+                                      rows_per_request=max(1, meta.rows_per_request))
     keys = k_cache[meta.kv_slots].transpose(1, 2)                            # [B, Hkv, KV, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)
     queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])

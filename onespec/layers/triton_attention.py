@@ -28,7 +28,7 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def _ticket_counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (row, kv head); each launch leaves them zero again.
+    """Zeroed int32 counters, one per (pack of rows, kv head); each launch leaves them zero.
     Sized once per device so CUDA graphs keep pointing at the same memory."""
     t = _tickets.get(device)
     if t is None or t.numel() < n:
@@ -37,33 +37,47 @@ def _ticket_counters(device, n: int) -> torch.Tensor:
 
 
 @triton.jit
+def _first_tile(split, t_lo, SPLITS: tl.constexpr):
+    """The first key tile >= t_lo that belongs to `split` (tiles t with t % SPLITS == split)."""
+    return t_lo + (split - t_lo % SPLITS + SPLITS) % SPLITS
+
+
+@triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         scale, window, num_kv_heads,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
-    row = tl.program_id(0)
+    pack = tl.program_id(0)           # ROWS consecutive rows of one request
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(TOKEN_REQ + row)
-    pos = tl.load(POSITIONS + row)
+    # one tile row per (row of the pack, query head of the kv head's group)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
-    g_ok = g < GROUP
+    g_ok = g < ROWS * GROUP
     d_ok = d < HEAD_DIM
-    q = tl.load(Q + row * stride_qt + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+    row = pack * ROWS + g // GROUP
+    head = kv_head * GROUP + g % GROUP
+    req = tl.load(TOKEN_REQ + pack * ROWS)
+    pos = tl.load(POSITIONS + row, mask=g_ok, other=0)                  # [G]
+    lo = tl.maximum(pos - window + 1, 0)
+    pos_max = tl.max(pos, 0)
+    lo_min = tl.min(tl.where(g_ok, lo, pos_max), 0)
+    q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)          # [G, D]
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    lo = tl.maximum(pos - window + 1, 0)
-    # this split's key tiles: split, split + SPLITS, ... (all of them when SPLITS == 1)
-    for start in range(lo + split * BLOCK_N, pos + 1, SPLITS * BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n <= pos
+    # key tiles at multiples of BLOCK_N, so a row sees the same tiles (and splits) in any
+    # pack; this split's: t = split, split + SPLITS, ... (all of them when SPLITS == 1)
+    t_lo = lo_min // BLOCK_N
+    t_hi = pos_max // BLOCK_N
+    for t in range(_first_tile(split, t_lo, SPLITS), t_hi + 1, SPLITS):
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (n <= pos_max) & (n >= lo_min)
         block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
@@ -73,10 +87,13 @@ def _paged_attention_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_ok[None, :], s * scale, float("-inf"))          # [G, N]
+        visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))                # [G, N]
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        # a row with no visible key yet keeps exact zeros (no -inf - -inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         if IEEE:
@@ -85,58 +102,66 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out_ptrs = OUT + row * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :]
+    out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
+        l = tl.where(l > 0, l, 1.0)                     # padding rows of the tile: no 0/0
         tl.store(out_ptrs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
     else:
-        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, lo, pos,
-                      row * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, BLOCK_N,
-                      SPLITS)
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi,
+                      pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
 
 
 @triton.jit
-def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, lo, pos, unit,
+def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi, unit,
                   split, g, d, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
-    merges them all in split order (the same arithmetic whichever program comes last).
-    Splits without keys (short rows) leave at once."""
-    active = tl.minimum(tl.cdiv(pos + 1 - lo, BLOCK_N), SPLITS)       # splits with keys
-    base = unit * SPLITS
-    if split >= active:
+    merges them all in split order (the same arithmetic whichever program comes last;
+    a split with no key visible to a row adds exact zeros to it). Splits without keys
+    leave at once."""
+    if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
+    base = unit * SPLITS
     tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
     tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
     tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
     # release: the partials above are visible to whoever draws the last ticket (acquire)
     ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
-    if ticket == active - 1:
+    if ticket == tl.minimum(t_hi - t_lo + 1, SPLITS) - 1:
         tl.store(TICKETS + unit, 0)                     # ready for the next launch
         m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_all = tl.zeros([GROUP_PAD], tl.float32)
         o_all = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for s in range(0, active):
-            o_s = tl.load(PART_O + ((base + s) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :],
-                          cache_modifier=".cg")
-            m_s = tl.load(PART_ML + ((base + s) * 2) * GROUP_PAD + g, cache_modifier=".cg")
-            l_s = tl.load(PART_ML + ((base + s) * 2 + 1) * GROUP_PAD + g, cache_modifier=".cg")
-            m_new = tl.maximum(m_all, m_s)
-            a = tl.exp(m_all - m_new)
-            b = tl.exp(m_s - m_new)
-            l_all = l_all * a + l_s * b
-            o_all = o_all * a[:, None] + o_s * b[:, None]
-            m_all = m_new
+        for s in range(0, SPLITS):
+            if _first_tile(s, t_lo, SPLITS) <= t_hi:
+                o_s = tl.load(PART_O + ((base + s) * GROUP_PAD + g[:, None]) * DIM_PAD
+                              + d[None, :], cache_modifier=".cg")
+                m_s = tl.load(PART_ML + ((base + s) * 2) * GROUP_PAD + g, cache_modifier=".cg")
+                l_s = tl.load(PART_ML + ((base + s) * 2 + 1) * GROUP_PAD + g,
+                              cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a = tl.exp(m_all - m_safe)
+                b = tl.exp(m_s - m_safe)
+                l_all = l_all * a + l_s * b
+                o_all = o_all * a[:, None] + o_s * b[:, None]
+                m_all = m_new
+        l_all = tl.where(l_all > 0, l_all, 1.0)         # padding rows of the tile: no 0/0
         tl.store(out_ptrs, (o_all / l_all[:, None]).to(out_ptrs.dtype.element_ty),
                  mask=out_mask)
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
                            scale: float, block_size: int, window: int | None = None,
-                           config: tuple[int, int, int] | None = None):
+                           config: tuple[int, int, int] | None = None,
+                           rows_per_request: int = 1):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
-    config: (BLOCK_N, num_warps, num_stages) instead of the default."""
+    config: (BLOCK_N, num_warps, num_stages) instead of the default. rows_per_request: when
+    every request has this many consecutive rows (a K+1-row verify), they share programs:
+    each key tile is read once for all of them (while they fit the tile of query rows a
+    single row uses, so each row's arithmetic stays the same)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -155,7 +180,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     pdl = pdl_supported(q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    units = num_rows * num_kv_heads
+    pack = rows_per_request if (rows_per_request > 1 and rows_per_request * group <= group_pad
+                                and num_rows % rows_per_request == 0) else 1
+    units = num_rows // pack * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
         part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
                              device=q.device)
@@ -164,11 +191,11 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         tickets = _ticket_counters(q.device, units)
     else:
         part_o = part_ml = tickets = out
-    _paged_attention_kernel[(num_rows, num_kv_heads, splits)](
+    _paged_attention_kernel[(num_rows // pack, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or NO_WINDOW, num_kv_heads,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         IEEE=q.dtype == torch.float32 or INTERPRETED,
         PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))

@@ -10,7 +10,6 @@ ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-170} python -m pytest tests/test_cud
 tail -3 $OUT/cuda_tests.log
 timeout 60 python scripts/bench_attention.py 2>/dev/null | tee $OUT/attention.jsonl
 timeout 130 python scripts/profile_graph_step.py > $OUT/profile_graph.jsonl 2>/dev/null
-python scripts/_summ_tmp.py $OUT/profile_graph.jsonl
 timeout ${BENCH_S:-200} python bench/decode.py --gen-len 96 --batch-sizes 1,32 --ks 0,3 \
   --acceptance 3.0 --out $OUT/decode.jsonl > /dev/null 2> $OUT/decode.log
 python -c "

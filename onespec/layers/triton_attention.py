@@ -25,14 +25,19 @@ MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split 
 SPLITS = 16
 SPLIT_BLOCK_N = 64
 _tickets: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
 
 def _ticket_counters(device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (pack of rows, kv head); each launch leaves them zero.
-    Sized once per device so CUDA graphs keep pointing at the same memory."""
+    One buffer per device (16 rows x 256 kv heads), so CUDA graphs keep pointing at it;
+    one outgrown is kept alive for the graphs captured with it."""
     t = _tickets.get(device)
     if t is None or t.numel() < n:
-        t = _tickets[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if t is not None:
+            _outgrown.append(t)
+        t = _tickets[device] = torch.zeros(max(n, MAX_SPLIT_ROWS * 256), dtype=torch.int32,
+                                           device=device)
     return t
 
 

@@ -9,8 +9,12 @@ kernel serves all three, and its metadata is built on the device (CUDA-graph saf
 Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over SPLITS
 programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores its partial
 softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
-the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8,
-and a row's result depends only on its own keys, never on the other rows of the batch.
+the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8.
+When every request has the same number of consecutive rows (a K+1-row verify), a request's
+rows can share one program per kv head and read each key tile once (rows_per_request).
+Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
+exact zeros, so a row's result depends only on its own keys, never on the other rows of
+the batch or its pack.
 """
 from __future__ import annotations
 

@@ -102,7 +102,6 @@ class Eagle3Layer(nn.Module):
             h = residual + attn_fn(a, positions, rotary, meta)
         return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
 
-
     def _forward_decode(self, a, residual, positions, rotary, meta):
         """The layer on the Triton path, with the post-attention RMSNorm split across
         o_proj (which leaves rows * weight and partial sums of squares) and gate_up

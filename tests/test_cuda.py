@@ -44,7 +44,7 @@ def test_triton_matches_torch_backend(dtype, heads, kv_heads, head_dim, window):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tdir = tmp_path_factory.mktemp("target")
-    hf = make_hf_model(tdir, "llama", num_layers=6, hidden_size=128)   # head_dim 32: fused qkv+rope
+    hf = make_hf_model(tdir, "llama", num_layers=6)
     hdir = tmp_path_factory.mktemp("head")
     make_eagle3_head(hdir, hf, "safeailab", draft_vocab_size=64, seed=3)
     return str(tdir), hf, str(hdir)

@@ -70,13 +70,6 @@ def cases(arch: int):
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))
-    qkv = {n: "*bf16" for n in ("X", "W", "BIAS", "Q_OUT", "K_CACHE", "V_CACHE")}
-    qkv.update(SS_IN="*fp32", COS_SIN="*fp32", POSITIONS="*i64", BLOCK_TABLES="*i64",
-               TOKEN_REQ="*i64", eps="fp32")
-    yield ("qkv + rotary + KV write, prenormed", tl_._qkv_rope_kernel, qkv,
-           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
-            "BLOCK_N": tl_.ROPE_BLOCK_N, "BLOCK_K": plain_cfg[1], "BLOCK_P": 128,
-            "HAS_BIAS": False, "PRENORMED": True, "IEEE": False, "PDL": pdl}, plain_cfg[2:])
     yield ("embed + norms (EAGLE-3 input)", tl_._embed_norm_concat_kernel,
            {"IDS": "*i64", "TABLE": "*bf16", "HID": "*bf16", "W_E": "*bf16", "W_H": "*bf16",
             "Y": "*bf16", "eps_e": "fp32", "eps_h": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))

@@ -60,120 +60,6 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _stream_rows(X, W, n, n_ok, partner_off, M, K, stride_xm, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr):
-    """acc [16, BLOCK_N] = x @ W[n].T (and, PAIRED, acc_up = x @ W[n + partner].T; the
-    pointer offset partner_off) for the M <= 16 rows of X. Rows are padded to 16 (the
-    smallest tensor-core tile) whatever M is, so every row sees the same instructions; the
-    loop's loads are software-pipelined (num_stages)."""
-    m = tl.arange(0, 16)
-    m_ok = m < M
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
-    # The first weight tile does not depend on the previous kernel: under programmatic
-    # dependent launch it streams while that kernel finishes.
-    w_mask = n_ok[:, None] & (k < K)[None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    wu = w
-    if PAIRED:
-        wu = tl.load(w_ptrs + partner_off, mask=w_mask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-    acc, acc_up = _accumulate(acc, acc_up, x, w, wu, PAIRED, IEEE)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_ok = k0 + k < K
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
-        if PAIRED:
-            wu = tl.load(w_ptrs + partner_off + k0, mask=w_mask, other=0.0)
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, acc_up = _accumulate(acc, acc_up, x, w, wu, PAIRED, IEEE)
-    if PDL:
-        # release the successor only once the weights are streamed: released at the start,
-        # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
-        # vs 4.50 ms, docs/PERFORMANCE.md)
-        tl.extra.cuda.gdc_launch_dependents()
-    return acc, acc_up
-
-
-@triton.jit
-def _apply_rstd(acc, acc_up, SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps,
-                BLOCK_P: tl.constexpr):
-    """X held x * norm_weight; the producer left per-row partial sums of x^2: apply 1/rms."""
-    p = tl.arange(0, BLOCK_P)
-    parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
-                    mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
-    rstd = tl.rsqrt(tl.sum(parts, 1) / K + eps)                          # [16]
-    return acc * rstd[:, None], acc_up * rstd[:, None]
-
-
-@triton.jit
-def _qkv_rope_kernel(
-        X, W, BIAS, SS_IN, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_OUT, K_CACHE,
-        V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
-        stride_qh, stride_ct, stride_ch, stride_bt, eps,
-        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr, PRENORMED: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
-    """The qkv projection with rope_and_cache as its epilogue: each program computes BLOCK_N
-    columns j of one head's first half and the matching columns HALF + j of its second half
-    (the rotary pairs), rotates q and k, stores q and writes k and v into the cache."""
-    pid = tl.program_id(0)
-    tiles = HALF // BLOCK_N                        # programs per head
-    head = pid // tiles                            # q heads, then k heads, then v heads
-    j = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n = head * 2 * HALF + j
-    m = tl.arange(0, 16)
-    m_ok = m < M
-    acc1, acc2 = _stream_rows(X, W, n, n < 2 * HALF * (NUM_Q_HEADS + 2 * NUM_KV_HEADS),
-                              HALF * stride_wn, M, K, stride_xm, stride_wn, BLOCK_N, BLOCK_K,
-                              True, IEEE, PDL)
-    if PRENORMED:
-        acc1, acc2 = _apply_rstd(acc1, acc2, SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps,
-                                 BLOCK_P)
-    if HAS_BIAS:
-        acc1 += tl.load(BIAS + n).to(tl.float32)[None, :]
-        acc2 += tl.load(BIAS + n + HALF).to(tl.float32)[None, :]
-    # as the unfused path: the projection rounded to the model's dtype, then rotated
-    dt = Q_OUT.dtype.element_ty
-    x1 = acc1.to(dt).to(tl.float32)
-    x2 = acc2.to(dt).to(tl.float32)
-    ok = m_ok[:, None]
-    pos = tl.load(POSITIONS + m, mask=m_ok, other=0)
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        cos = tl.load(COS_SIN + pos[:, None] * stride_cs + j[None, :], mask=ok, other=0.0)
-        sin = tl.load(COS_SIN + pos[:, None] * stride_cs + HALF + j[None, :], mask=ok,
-                      other=0.0)
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-    else:
-        o1 = x1
-        o2 = x2
-    if head < NUM_Q_HEADS:
-        out = Q_OUT + m[:, None] * stride_qt + head * stride_qh + j[None, :]
-        tl.store(out, o1.to(dt), mask=ok)
-        tl.store(out + HALF, o2.to(dt), mask=ok)
-    else:
-        req = tl.load(TOKEN_REQ + m, mask=m_ok, other=0)
-        block = tl.load(BLOCK_TABLES + req * stride_bt + pos // BLOCK_SIZE, mask=m_ok,
-                        other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            cache = K_CACHE + (head - NUM_Q_HEADS) * stride_ch
-        else:
-            cache = V_CACHE + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_ch
-        dst = cache + slot[:, None] * stride_ct + j[None, :]
-        tl.store(dst, o1.to(K_CACHE.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, o2.to(K_CACHE.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
@@ -182,16 +68,50 @@ def _small_linear_kernel(
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
+    # the same instructions; the loop's loads are software-pipelined (num_stages).
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    acc, acc_up = _stream_rows(X, W, n, n_ok, N * stride_wn, M, K, stride_xm, stride_wn,
-                               BLOCK_N, BLOCK_K, GATED, IEEE, PDL)
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
+    # The first weight tile does not depend on the previous kernel: under programmatic
+    # dependent launch it streams while that kernel finishes.
+    w_mask = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    wu = w
+    if GATED:
+        wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k_ok = k0 + k < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        if GATED:
+            wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
+    if PDL:
+        # release the successor only once the weights are streamed: released at the start,
+        # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
+        # vs 4.50 ms, docs/PERFORMANCE.md)
+        tl.extra.cuda.gdc_launch_dependents()
     if PRENORMED:
-        acc, acc_up = _apply_rstd(acc, acc_up, SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps,
-                                  BLOCK_P)
+        # X held x * norm_weight; the producer left per-row partial sums of x^2: apply 1/rms
+        p = tl.arange(0, BLOCK_P)
+        parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
+                        mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(parts, 1) / K + eps)                      # [16]
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
     y = acc
     if HAS_BIAS:
         y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -466,58 +386,6 @@ def _rope_cache_kernel(
         v = QKV + row * stride_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * 2 * HALF
         tl.store(V_CACHE + dst + d, tl.load(v + d))
         tl.store(V_CACHE + dst + HALF + d, tl.load(v + HALF + d))
-
-
-ROPE_BLOCK_N = 16      # pairs per program: 2 x 16 weight rows, as small_linear's 32
-
-
-def fused_qkv_rope_ok(head_dim: int, qk_norm: bool) -> bool:
-    """qkv_rope_and_cache applies: no per-head q/k norm (it needs whole heads) and halves
-    of whole 16-column tiles."""
-    return not qk_norm and head_dim % (2 * ROPE_BLOCK_N) == 0
-
-
-def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
-                       bias: torch.Tensor | None, positions: torch.Tensor,
-                       cos_sin: torch.Tensor, block_tables: torch.Tensor,
-                       token_req: torch.Tensor, block_size: int, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       norm_weight: torch.Tensor | None = None, eps: float = 1e-6
-                       ) -> torch.Tensor:
-    """rope_and_cache(small_linear(x, weight, bias)) in one kernel (see fused_qkv_rope_ok):
-    x [M, K] (M <= MAX_ROWS, or a Prenormed) -> rotated q [M, Hq, D]; rotated k and v go to
-    the cache slots of the rows' positions."""
-    pre = x if isinstance(x, Prenormed) else None
-    x = pre.x if pre else x
-    m, k = x.shape
-    head_dim = k_cache.shape[-1]
-    if m > MAX_ROWS or weight.shape != ((num_heads + 2 * num_kv_heads) * head_dim, k):
-        raise ValueError(f"qkv_rope_and_cache: x {tuple(x.shape)}, weight "
-                         f"{tuple(weight.shape)}: need at most {MAX_ROWS} rows and "
-                         f"[(Hq + 2 Hkv) * {head_dim}, {k}]")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return q
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
-    _, block_k, warps, stages = _config(weight.shape[0], k, False)
-    half = head_dim // 2
-    grid = (num_heads + 2 * num_kv_heads) * half // ROPE_BLOCK_N
-    pdl = pdl_supported(x.device)
-    _qkv_rope_kernel[(grid,)](
-        x, weight, bias if bias is not None else weight, pre.ss if pre else x, cos_sin,
-        positions, block_tables, token_req, q, k_cache, v_cache, m, k,
-        pre.ss.shape[1] if pre else 0, x.stride(0), weight.stride(0),
-        pre.ss.stride(0) if pre else 0, cos_sin.stride(0), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), pre.eps if pre else eps,
-        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
-        BLOCK_N=ROPE_BLOCK_N, BLOCK_K=block_k,
-        BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
-        HAS_BIAS=bias is not None, PRENORMED=pre is not None,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, num_warps=warps,
-        num_stages=stages, **pdl_launch(pdl))
-    return q
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -138,24 +138,6 @@ class Attention(nn.Module):
             out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(-1, self.q_size)
 
-    def attend_decode(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata,
-                      norm: RMSNorm | None = None):
-        """The Triton path for <= 16 rows: qkv projection of norm(x) (or of x, a Prenormed
-        from the previous kernel) and attention -> [T, Hq D]. Rotary and the KV write run in
-        the projection's epilogue unless q/k norms need whole heads."""
-        from onespec.layers.triton_linear import (fused_qkv_rope_ok, qkv_rope_and_cache,
-                                                  small_linear)
-        normed = {} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}
-        if rotary.fused_ok and fused_qkv_rope_ok(self.head_dim, self.qk_norm):
-            q = qkv_rope_and_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, positions,
-                                   rotary.cos_sin, meta.block_tables, meta.token_req,
-                                   meta.block_size, self.k_cache, self.v_cache,
-                                   self.num_heads, self.num_kv_heads, **normed)
-            out = cached_attention(q, self.k_cache, self.v_cache, meta, self.scale)
-            return out.reshape(-1, self.q_size)
-        qkv = small_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, **normed)
-        return self.attend(qkv, positions, rotary, meta, fast=True)
-
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
@@ -192,9 +174,11 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if pre is None:
-            out = attn.attend_decode(h, positions, rotary, meta, norm=norm1)
+            qkv = small_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                               norm_weight=norm1.weight, eps=norm1.eps)
         else:
-            out = attn.attend_decode(pre, positions, rotary, meta)
+            qkv = small_linear(pre, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = attn.attend(qkv, positions, rotary, meta, fast=True)
         h, pre = small_linear(out, attn.o_proj.weight, residual=h,
                               norm_out=(norm2.weight, norm2.eps))
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)

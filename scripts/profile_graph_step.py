@@ -8,8 +8,9 @@ bench/decode.py), prints one JSON line per mode:
     back) and host_ms (their difference: scheduling, input copies, the device-to-host copy);
   - phases: the graph is captured once more with a tiny marker kernel after each phase
     (target forward, target lm_head + argmax, acceptance, draft fc, each draft pass, each
-    draft lm_head + argmax) and replayed under torch.profiler; each phase's time is the span between its
-    markers (so PDL overlap inside a phase counts once), with its kernel count;
+    draft lm_head + argmax) and replayed under torch.profiler; each phase's time is the
+    span between its markers (so PDL overlap inside a phase counts once), with its kernel
+    count;
   - one target layer's kernel sequence (name, start offset, duration in µs).
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """

@@ -21,10 +21,16 @@ from onespec.layers.norm import RMSNorm
 MAX_FAST_ROWS = 16      # = triton_linear.MAX_ROWS; kept here so the CPU never imports Triton
 
 
+def decode_sized(x: torch.Tensor, fast: bool) -> bool:
+    """Whether rows x [M, K] take the Triton decode kernels: `fast` set, M <= 16, and no
+    autograd (training and the CPU keep the PyTorch path)."""
+    return fast and x.dim() == 2 and x.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled()
+
+
 def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = None,
                  gated: bool = False, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, fast: bool = False) -> torch.Tensor:
-    if fast and x.shape[0] <= MAX_FAST_ROWS and x.dim() == 2 and not torch.is_grad_enabled():
+    if decode_sized(x, fast):
         from onespec.layers.triton_linear import small_linear
         return small_linear(x, layer.weight, layer.bias,
                             norm_weight=None if norm is None else norm.weight,
@@ -45,7 +51,7 @@ def fused_linear_argmax(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | No
     """argmax over the float32 outputs of layer(norm(x)) per row [N] int64 (greedy
     decoding), plus offsets[argmax] if given: with `fast`, the GEMV's tiles reduce their
     own columns and the logits are never written (small_linear(argmax=True))."""
-    if fast and x.shape[0] <= MAX_FAST_ROWS and x.dim() == 2 and not torch.is_grad_enabled():
+    if decode_sized(x, fast):
         from onespec.layers.triton_linear import small_linear
         return small_linear(x, layer.weight, layer.bias,
                             norm_weight=None if norm is None else norm.weight,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onespec.layers.linear import (MAX_FAST_ROWS, fused_linear, fused_linear_argmax,
+from onespec.layers.linear import (decode_sized, fused_linear, fused_linear_argmax,
                                    fused_rms_norm)
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding
@@ -81,7 +81,7 @@ class Eagle3Layer(nn.Module):
                 ids=None, table=None):
         """embeds [T, H], or None with token ids [T] and the embedding table."""
         h = hidden.shape[-1]
-        decode = fast and hidden.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled()
+        decode = decode_sized(hidden, fast)
         if decode and embeds is None:
             from onespec.layers.triton_linear import embed_norm_concat
             e_norm, h_norm = self.input_layernorm, self.hidden_norm

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
-from onespec.layers.linear import (MAX_FAST_ROWS, fused_linear, fused_linear_argmax,
+from onespec.layers.linear import (decode_sized, fused_linear, fused_linear_argmax,
                                    fused_rms_norm)
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
@@ -220,8 +220,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         saved = {}
         layers = self.model.layers
-        decode = (self.fast_kernels and h.shape[0] <= MAX_FAST_ROWS
-                  and not torch.is_grad_enabled())
+        decode = decode_sized(h, self.fast_kernels)
         pre = None                      # decode: the next input norm, half done
         for i, layer in enumerate(layers):
             if decode:

@@ -66,7 +66,7 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
     if backend == "triton":
         return meta
     if token_idx is None:
-        token_idx = torch.arange(num_rows, device=device) % q_lens
+        token_idx = rows % q_lens
     kv_pos = torch.arange(max_kv, device=device)                             # [KVmax]
     need = -(-max_kv // block_size)
     tables = block_tables if block_tables.shape[1] >= need else \

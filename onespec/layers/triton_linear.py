@@ -320,7 +320,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         norm_out[0] if nxt else weight, nxt.x if nxt else out, nxt.ss if nxt else out,
         arg[0] if arg else out, arg[1] if arg else out,
         m, n, k, pre.ss.shape[1] if pre else 0, x.stride(0), weight.stride(0),
-        res.stride(0), out.stride(0) if out.numel() else 0, ss_in.stride(0),
+        res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
         BLOCK_N=block_n, BLOCK_K=block_k,
@@ -331,11 +331,11 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     if argmax:
-        offsets = argmax_offsets
-        _argmax_reduce_kernel[(m,)](arg[0], arg[1], arg[2] if offsets is None else offsets,
-                                    arg[2], grid, grid, BLOCK_P=triton.next_power_of_2(grid),
-                                    HAS_OFFSETS=offsets is not None, PDL=pdl, num_warps=4,
-                                    **pdl_launch(pdl))
+        offsets = arg[2] if argmax_offsets is None else argmax_offsets
+        _argmax_reduce_kernel[(m,)](arg[0], arg[1], offsets, arg[2], grid, grid,
+                                    BLOCK_P=triton.next_power_of_2(grid),
+                                    HAS_OFFSETS=argmax_offsets is not None, PDL=pdl,
+                                    num_warps=4, **pdl_launch(pdl))
         return arg[2]
     return out if nxt is None else (out, nxt)
 

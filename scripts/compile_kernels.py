@@ -33,8 +33,10 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
                             target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
+    before_wait = ptx.split("griddepcontrol.wait")[0]
     return {"shared_bytes": kernel.metadata.shared,
-            "pdl_instructions": ptx.count("griddepcontrol")}
+            "pdl_instructions": ptx.count("griddepcontrol"),
+            "global_loads_before_wait": before_wait.count("ld.global")}
 
 
 def cases(arch: int):
@@ -84,13 +86,17 @@ def cases(arch: int):
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", scale="fp32")
-    base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16,
-            "PDL": pdl}
+    base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     yield ("attention bf16 decode (split keys, 4-row verify packs)",
            ta._paged_attention_kernel, attn,
            {**base, "ROWS": 4, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS,
+            "RPR": 4, "RPR_PAD": 4, "IEEE": False}, (4, 2))
+    yield ("attention bf16 decode (split keys, 1 row per request)",
+           ta._paged_attention_kernel, attn,
+           {**base, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS, "RPR": 1,
             "IEEE": False}, (4, 2))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},

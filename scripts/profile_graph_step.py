@@ -1,6 +1,7 @@
 """Where the GPU time of one CUDA-graph decode step goes, phase by phase.
 
     python scripts/profile_graph_step.py [--batch 1] [--k 3] [--acceptance 3.0]
+        [--variants preload=0,linear=6144:4096:0:16:256:4:5+attn=64:4:2:8]
 
 For plain decode and for K drafts at a forced acceptance length (random-weight 8B shape, as in
 bench/decode.py), prints one JSON line per mode:
@@ -11,7 +12,12 @@ bench/decode.py), prints one JSON line per mode:
     draft lm_head + argmax) and replayed under torch.profiler; each phase's time is the
     span between its markers (so PDL overlap inside a phase counts once), with its kernel
     count;
-  - one target layer's kernel sequence (name, start offset, duration in µs).
+  - one target layer's kernel sequence (name, start offset, duration in µs);
+  - with --variants, first the step and replay times of each variant of the kernels' knobs
+    (each captured afresh, the default measured again after them for the drift):
+    preload=0|1 (attention reads older keys before its PDL wait),
+    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages (a GEMV's tiling),
+    attn=BLOCK_N:warps:stages[:splits]; '+' joins knobs into one variant.
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
 from onespec.layers import triton_attention as ta
+from onespec.layers import triton_linear as tlin
 from onespec.bench_cli import build_llm, set_draft, write_model_dirs
 
 MARK = "spin_kernel"
@@ -134,6 +141,30 @@ def host_breakdown(eng, steps: int = 30) -> dict:
     return {n: round(1e3 * v / steps, 3) for n, v in spent.items()}
 
 
+def apply_variant(spec: str):
+    """Sets the knobs of one --variants entry; returns the function that restores them."""
+    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS))
+    for knob in filter(None, spec.split("+")):
+        name, _, value = knob.partition("=")
+        if name == "preload":
+            ta.PRELOAD = value == "1"
+        elif name == "linear":
+            n, k, gated, *cfg = (int(x) for x in value.split(":"))
+            tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
+        elif name == "attn":
+            cfg = tuple(int(x) for x in value.split(":"))
+            ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
+            ta.triton_paged_attention = functools.partial(saved[2], config=cfg[:3])
+        elif name != "default":
+            raise SystemExit(f"unknown variant knob {knob!r}")
+
+    def undo():
+        ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
+        tlin.CONFIGS.clear()
+        tlin.CONFIGS.update(saved[3])
+    return undo
+
+
 def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     ns = SimpleNamespace(prompt_len=args.prompt_len, batch_sizes=[args.batch],
                          dtype="bfloat16", device="cuda", seed=0)
@@ -160,14 +191,12 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
             eng.step()
 
     sweep = []
-    default_attention, default_splits = ta.triton_paged_attention, ta.SPLITS
-    for cfg in args.attn_configs:        # attention (BLOCK_N, warps, stages[, splits])
-        ta.SPLITS = cfg[3] if len(cfg) > 3 else default_splits
-        ta.triton_paged_attention = functools.partial(default_attention, config=cfg[:3])
+    for variant in args.variants + (["default"] if args.variants else []):
+        undo = apply_variant(variant)
         restart(True)
-        sweep.append({"attention_config": cfg, "step_ms": round(mean_ms(eng.step, 50), 3),
+        sweep.append({"variant": variant, "step_ms": round(mean_ms(eng.step, 50), 3),
                       "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
-    ta.triton_paged_attention, ta.SPLITS = default_attention, default_splits
+        undo()
     restart(True)
     host = host_breakdown(eng)
     restart(False)
@@ -208,17 +237,18 @@ def main():
     p.add_argument("--acceptance", type=float, default=3.0)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--attn-configs", default="",
-                   help="attention tilings to time first, BLOCK_N:warps:stages[:splits], "
-                        "e.g. 64:4:2:16,32:4:2:32")
+    p.add_argument("--variants", default="",
+                   help="comma-separated kernel variants to time first (see above)")
+    p.add_argument("--modes", default="plain,spec", help="plain, spec or both")
     args = p.parse_args()
-    args.attn_configs = [tuple(int(x) for x in c.split(":"))
-                         for c in args.attn_configs.split(",") if c]
+    args.variants = [v for v in args.variants.split(",") if v]
     if not torch.cuda.is_available():
         sys.exit("profile_graph_step.py needs CUDA")
     root = tempfile.mkdtemp()
     target_dir, head_dir = write_model_dirs(args.shape, root)
-    for k, a in ((0, 1.0), (args.k, args.acceptance)):
+    modes = [m for m in ((0, 1.0), (args.k, args.acceptance))
+             if ("plain" if m[0] == 0 else "spec") in args.modes.split(",")]
+    for k, a in modes:
         print(json.dumps(run_mode(target_dir, head_dir, args, k, a)), flush=True)
         gc.collect()
         torch.cuda.empty_cache()

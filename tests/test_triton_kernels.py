@@ -259,9 +259,11 @@ def test_split_attention_rows_do_not_depend_on_the_batch():
                                        rows_per_request=4)
     assert torch.equal(packed, together[:4])
     for i in range(5):
-        alone = ta.triton_paged_attention(q[i:i + 1], kc, vc, tables, req[i:i + 1],
-                                          positions[i:i + 1], 0.2, bs)
-        assert torch.equal(alone, together[i:i + 1])
+        for rows_per_request in (0, 1):     # 1: older keys read before the PDL wait
+            alone = ta.triton_paged_attention(q[i:i + 1], kc, vc, tables, req[i:i + 1],
+                                              positions[i:i + 1], 0.2, bs,
+                                              rows_per_request=rows_per_request)
+            assert torch.equal(alone, together[i:i + 1])
     assert not ta._tickets[q.device].any()
 
 
@@ -358,7 +360,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 13
+    assert len(rows) == 14
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents
+    by_name = {row["kernel"]: row for row in rows}
+    # attention with known rows per request reads its inputs and older keys before the wait
+    assert by_name["attention bf16 decode (split keys, 1 row per request)"][
+        "global_loads_before_wait"] > 0
+    assert by_name["attention bf16 prefill"]["global_loads_before_wait"] == 0

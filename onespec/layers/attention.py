@@ -112,7 +112,7 @@ def cached_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         return triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_req,
                                       meta.positions, scale, meta.block_size,
                                       meta.sliding_window,
-                                      rows_per_request=max(1, meta.rows_per_request))
+                                      rows_per_request=meta.rows_per_request)
     keys = k_cache[meta.kv_slots].transpose(1, 2)                            # [B, Hkv, KV, D]
     values = v_cache[meta.kv_slots].transpose(1, 2)
     queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])

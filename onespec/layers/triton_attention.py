@@ -15,6 +15,11 @@ rows can share one program per kv head and read each key tile once (rows_per_req
 Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
 exact zeros, so a row's result depends only on its own keys, never on the other rows of
 the batch or its pack.
+
+Under programmatic dependent launch the kernel starts while the rotary kernel before it
+writes this step's keys; when the rows per request are known, the only keys that kernel
+writes are at the rows' own positions, so the first tile's older keys (and the positions
+and block tables, inputs of the step) are read before waiting for it.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split their keys
 SPLITS = 16
 SPLIT_BLOCK_N = 64
+PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -52,14 +58,51 @@ def _first_tile(split, t_lo, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max, kv_head, stride_ct,
+                  stride_ch, d, d_ok, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile t of request req: positions n [N], which of them any row may see, and the
+    cache offsets of their (n, kv_head) rows [N, D] with the tile's mask."""
+    n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n <= pos_max) & (n >= lo_min)
+    block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    return n, n_ok, kv_off, n_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
+    """One key tile's step of the online softmax for the rows' query heads [G, D]."""
+    if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
+    s = tl.where(visible, s * scale, float("-inf"))                # [G, N]
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # a row with no visible key yet keeps exact zeros (no -inf - -inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         scale, window, num_kv_heads,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
+        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if RPR == 0:
+        pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,42 +118,43 @@ def _paged_attention_kernel(
     lo = tl.maximum(pos - window + 1, 0)
     pos_max = tl.max(pos, 0)
     lo_min = tl.min(tl.where(g_ok, lo, pos_max), 0)
-    q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)          # [G, D]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     # key tiles at multiples of BLOCK_N, so a row sees the same tiles (and splits) in any
     # pack; this split's: t = split, split + SPLITS, ... (all of them when SPLITS == 1)
     t_lo = lo_min // BLOCK_N
     t_hi = pos_max // BLOCK_N
-    for t in range(_first_tile(split, t_lo, SPLITS), t_hi + 1, SPLITS):
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (n <= pos_max) & (n >= lo_min)
-        block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
+    t0 = _first_tile(split, t_lo, SPLITS)
+    n, n_ok, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
+                                             kv_head, stride_ct, stride_ch, d, d_ok,
+                                             BLOCK_SIZE, BLOCK_N)
+    q_ptrs = Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    if RPR > 0:
+        # Each request has RPR rows, and the only keys the previous kernel (rotary + KV
+        # write) writes are at their positions (`mine`): the others of the first tile (and
+        # the step's inputs) are read while it still runs.
+        r = tl.arange(0, RPR_PAD)
+        mine = tl.load(POSITIONS + (pack * ROWS) // RPR * RPR + r, mask=r < RPR, other=-1)
+        is_mine = tl.max(((n[:, None] == mine[None, :]) & (r < RPR)[None, :]).to(tl.int32), 1)
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask & (is_mine == 0)[:, None], other=0.0)
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask & (is_mine == 0)[:, None], other=0.0)
+        pdl_start(PDL)
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask & (is_mine != 0)[:, None], other=k)
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask & (is_mine != 0)[:, None], other=v)
+    else:
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)          # [N, D]
-        if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
-        s = tl.where(visible, s * scale, float("-inf"))                # [G, N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # a row with no visible key yet keeps exact zeros (no -inf - -inf)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)                         # [G, D]
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+    for t in range(t0 + SPLITS, t_hi + 1, SPLITS):
+        n, n_ok, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min,
+                                                 pos_max, kv_head, stride_ct, stride_ch, d,
+                                                 d_ok, BLOCK_SIZE, BLOCK_N)
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
+        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -128,8 +172,13 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
     merges them all in split order (the same arithmetic whichever program comes last;
     a split with no key visible to a row adds exact zeros to it). Splits without keys
-    leave at once."""
+    leave at once; keys within one tile need no merge."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
+        return
+    if t_hi == t_lo:
+        # one split holds every key: its result as is (what merging it alone would give)
+        l = tl.where(l > 0, l, 1.0)
+        tl.store(out_ptrs, (acc / l[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
         return
     base = unit * SPLITS
     tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
@@ -164,17 +213,22 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
                            scale: float, block_size: int, window: int | None = None,
                            config: tuple[int, int, int] | None = None,
-                           rows_per_request: int = 1):
+                           rows_per_request: int = 0):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
-    config: (BLOCK_N, num_warps, num_stages) instead of the default. rows_per_request: when
-    every request has this many consecutive rows (a K+1-row verify), they share programs:
-    each key tile is read once for all of them (while they fit the tile of query rows a
-    single row uses, so each row's arithmetic stays the same)."""
+    config: (BLOCK_N, num_warps, num_stages) instead of the default.
+
+    rows_per_request (0: not known): every request has this many consecutive rows (1 for a
+    decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
+    key tile once, while they fit the tile of query rows a single row uses (so each row's
+    arithmetic stays the same); (b) the keys at the rows' own positions are the only ones
+    the kernel just before (rotary + KV write) may write: under PDL the other keys of the
+    first tile, positions and block tables are read before waiting for it."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    rpr = rows_per_request if rows_per_request > 0 and num_rows % rows_per_request == 0 else 0
     if num_rows == 0:
         return out
     # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
@@ -189,8 +243,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     pdl = pdl_supported(q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    pack = rows_per_request if (rows_per_request > 1 and rows_per_request * group <= group_pad
-                                and num_rows % rows_per_request == 0) else 1
+    pack = rpr if rpr > 1 and rpr * group <= group_pad else 1
     units = num_rows // pack * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
         part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
@@ -206,6 +259,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         out.stride(0), out.stride(1), scale, window or NO_WINDOW, num_kv_heads,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
         PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return out

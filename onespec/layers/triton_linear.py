@@ -34,6 +34,7 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
+CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}   # (N, K, gated) -> tiling
 
 
 @triton.jit
@@ -298,7 +299,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages = config or _config(n, k, gated)
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, gated)) or \
+        _config(n, k, gated)
     grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:

@@ -158,11 +158,17 @@ def _paged_attention_kernel(
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
-        l = tl.where(l > 0, l, 1.0)                     # padding rows of the tile: no 0/0
-        tl.store(out_ptrs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
+        _store_normalised(out_ptrs, acc, l, out_mask)
     else:
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi,
                       pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
+
+
+@triton.jit
+def _store_normalised(out_ptrs, acc, l, out_mask):
+    """The rows' attention output acc / l (l = 0 on padding rows of the tile: no 0/0)."""
+    l = tl.where(l > 0, l, 1.0)
+    tl.store(out_ptrs, (acc / l[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -177,8 +183,7 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
         return
     if t_hi == t_lo:
         # one split holds every key: its result as is (what merging it alone would give)
-        l = tl.where(l > 0, l, 1.0)
-        tl.store(out_ptrs, (acc / l[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
+        _store_normalised(out_ptrs, acc, l, out_mask)
         return
     base = unit * SPLITS
     tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
@@ -205,9 +210,7 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
                 l_all = l_all * a + l_s * b
                 o_all = o_all * a[:, None] + o_s * b[:, None]
                 m_all = m_new
-        l_all = tl.where(l_all > 0, l_all, 1.0)         # padding rows of the tile: no 0/0
-        tl.store(out_ptrs, (o_all / l_all[:, None]).to(out_ptrs.dtype.element_ty),
-                 mask=out_mask)
+        _store_normalised(out_ptrs, o_all, l_all, out_mask)
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,

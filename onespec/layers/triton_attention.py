@@ -60,14 +60,14 @@ def _first_tile(split, t_lo, SPLITS: tl.constexpr):
 @triton.jit
 def _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max, kv_head, stride_ct,
                   stride_ch, d, d_ok, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tile t of request req: positions n [N], which of them any row may see, and the
-    cache offsets of their (n, kv_head) rows [N, D] with the tile's mask."""
+    """Key tile t of request req: positions n [N] and the cache offsets of their
+    (n, kv_head) rows [N, D], with the mask of the keys any row may see."""
     n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (n <= pos_max) & (n >= lo_min)
     block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
     kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-    return n, n_ok, kv_off, n_ok[:, None] & d_ok[None, :]
+    return n, kv_off, n_ok[:, None] & d_ok[None, :]
 
 
 @triton.jit
@@ -123,11 +123,10 @@ def _paged_attention_kernel(
     t_lo = lo_min // BLOCK_N
     t_hi = pos_max // BLOCK_N
     t0 = _first_tile(split, t_lo, SPLITS)
-    n, n_ok, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
-                                             kv_head, stride_ct, stride_ch, d, d_ok,
-                                             BLOCK_SIZE, BLOCK_N)
-    q_ptrs = Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q_mask = g_ok[:, None] & d_ok[None, :]
+    n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
+                                       kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
+                                       BLOCK_N)
+    rows_mask = g_ok[:, None] & d_ok[None, :]          # the tile's real (row, head) rows
     if RPR > 0:
         # Each request has RPR rows, and the only keys the previous kernel (rotary + KV
         # write) writes are at their positions (`mine`): the others of the first tile (and
@@ -135,32 +134,33 @@ def _paged_attention_kernel(
         r = tl.arange(0, RPR_PAD)
         mine = tl.load(POSITIONS + (pack * ROWS) // RPR * RPR + r, mask=r < RPR, other=-1)
         is_mine = tl.max(((n[:, None] == mine[None, :]) & (r < RPR)[None, :]).to(tl.int32), 1)
-        k = tl.load(K_CACHE + kv_off, mask=kv_mask & (is_mine == 0)[:, None], other=0.0)
-        v = tl.load(V_CACHE + kv_off, mask=kv_mask & (is_mine == 0)[:, None], other=0.0)
+        old, new = kv_mask & (is_mine == 0)[:, None], kv_mask & (is_mine != 0)[:, None]
+        k = tl.load(K_CACHE + kv_off, mask=old, other=0.0)
+        v = tl.load(V_CACHE + kv_off, mask=old, other=0.0)
         pdl_start(PDL)
-        k = tl.load(K_CACHE + kv_off, mask=kv_mask & (is_mine != 0)[:, None], other=k)
-        v = tl.load(V_CACHE + kv_off, mask=kv_mask & (is_mine != 0)[:, None], other=v)
+        k = tl.load(K_CACHE + kv_off, mask=new, other=k)
+        v = tl.load(V_CACHE + kv_off, mask=new, other=v)
     else:
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)          # [N, D]
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)                         # [G, D]
+    q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=rows_mask, other=0.0)                              # [G, D]
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     for t in range(t0 + SPLITS, t_hi + 1, SPLITS):
-        n, n_ok, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min,
-                                                 pos_max, kv_head, stride_ct, stride_ch, d,
-                                                 d_ok, BLOCK_SIZE, BLOCK_N)
+        n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max,
+                                           kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
+                                           BLOCK_N)
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
-        _store_normalised(out_ptrs, acc, l, out_mask)
+        _store_normalised(out_ptrs, acc, l, rows_mask)
     else:
-        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi,
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, t_lo, t_hi,
                       pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
 
 

@@ -69,23 +69,6 @@ def cases(arch: int):
            {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "IEEE": True}, gated_cfg[2:])
-    for dtype, elem in (("bf16", 2), ("fp32", 4)):
-        # the 8B shape's tilings on a 132-SM H200 (float32: the GPU tests' weights)
-        tiles = [tl_._tail_tiling(n, k, g, elem, 132) for n, k, g in
-                 ((4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
-                  (6144, 4096, False))]
-        tail = {n: f"*{dtype}" for n in tl_._layer_tail_kernel.arg_names
-                if n.isupper() and n not in ("SS2", "SS3", "SYNC", "M", "H", "NA", "NI", "NQ")}
-        tail.update(SS2="*fp32", SS3="*fp32", SYNC="*i32", TIMES="*i64", eps2="fp32",
-                    eps3="fp32")
-        yield (f"layer tail {dtype} (o_proj, MLP, next qkv; persistent)",
-               tl_._layer_tail_kernel, tail,
-               {**{f"{a}_{p}": t[i] for (p, t) in zip(("O", "GU", "D", "Q"), tiles)
-                   for i, a in enumerate(("BN", "BK"))},
-                "BP_O": 128, "BP_D": 128, "GU_BIAS": False, "D_BIAS": False,
-                "Q_BIAS": True, "NEXT_NORM": True, "FIRST": 0, "LAST": 3,
-                "IEEE": dtype == "fp32", "PDL": pdl, "PRE_LINES": 0, "TIMING": False},
-               (4, tl_.TAIL_STAGES))
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))

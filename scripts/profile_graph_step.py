@@ -16,9 +16,6 @@ bench/decode.py), prints one JSON line per mode:
   - with --variants, first the step and replay times of each variant of the kernels' knobs
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
-    persistent=0|1 (a layer after attention as one persistent kernel, layer_tail),
-    tail_stages=N, tail_warps=N, tail_bytes=N (that kernel's pipeline depth, warps and
-    weight bytes per stage),
     linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages (a GEMV's tiling),
     attn=BLOCK_N:warps:stages[:splits]; '+' joins knobs into one variant.
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
@@ -146,20 +143,11 @@ def host_breakdown(eng, steps: int = 30) -> dict:
 
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
-    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             tlin.PERSISTENT, tlin.TAIL_STAGES, tlin.TAIL_WARPS, tlin.TAIL_STAGE_BYTES)
+    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS))
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
             ta.PRELOAD = value == "1"
-        elif name == "persistent":
-            tlin.PERSISTENT = value == "1"
-        elif name == "tail_stages":
-            tlin.TAIL_STAGES = int(value)
-        elif name == "tail_warps":
-            tlin.TAIL_WARPS = int(value)
-        elif name == "tail_bytes":
-            tlin.TAIL_STAGE_BYTES = int(value)
         elif name == "linear":
             n, k, gated, *cfg = (int(x) for x in value.split(":"))
             tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
@@ -172,7 +160,6 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        tlin.PERSISTENT, tlin.TAIL_STAGES, tlin.TAIL_WARPS, tlin.TAIL_STAGE_BYTES = saved[4:]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -17,8 +17,8 @@ from onespec.layers.attention import build_attention_metadata  # noqa: E402
 from onespec.layers.linear import fused_linear, fused_linear_argmax  # noqa: E402
 from onespec.layers.norm import RMSNorm  # noqa: E402
 from onespec.layers.rotary import RotaryEmbedding  # noqa: E402
-from onespec.layers.triton_linear import (embed_norm_concat, layer_tail,  # noqa: E402
-                                          rope_and_cache, small_linear)
+from onespec.layers.triton_linear import (embed_norm_concat, rope_and_cache,  # noqa: E402
+                                          small_linear)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -150,64 +150,6 @@ def test_small_linear_rejects_bad_shapes():
         small_linear(torch.zeros(1, 32, device=DEV), w, norm_out=(torch.ones(8), 1e-6))
     with pytest.raises(ValueError, match="argmax takes neither"):
         small_linear(torch.zeros(1, 32, device=DEV), w, gated=True, argmax=True)
-
-
-def torch_rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,bias,sms", [(1, False, 16), (5, True, 4), (16, True, 7)])
-@torch.inference_mode()
-def test_layer_tail_matches_the_kernels_one_by_one(dtype, rows, bias, sms):
-    """layer_tail (o_proj + residual, post-attention norm, SiLU-gated MLP + residual, the
-    next input norm and qkv projection, in one persistent kernel) equals the same layer run
-    as separate small_linear kernels and a PyTorch reference; also without the next layer.
-    The residual is a column slice of a wider tensor; `sms` caps the programs, so phases
-    with fewer tiles than programs leave some idle."""
-    hidden, q_size, inter, nq = 96, 64, 80, 112
-    torch.manual_seed(rows)
-
-    def rand(*shape):
-        return (torch.randn(*shape, device=DEV) * 0.3).to(dtype)
-    a, wide = rand(rows, q_size), rand(rows, 2 * hidden)
-    h = wide[:, hidden:]
-    wo, wgu, wd, wq = rand(hidden, q_size), rand(2 * inter, hidden), rand(hidden, inter), \
-        rand(nq, hidden)
-    bgu, bd, bq = (rand(2 * inter), rand(hidden), rand(nq)) if bias else (None, None, None)
-    n2, n3 = 1 + rand(hidden), 1 + rand(hidden)
-    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
-    out, qkv = layer_tail(a, wo, h, (n2, 1e-5), wgu, bgu, wd, bd, sync, next_norm=(n3, 1e-6),
-                          next_qkv=(wq, bq), sms=sms)
-    h2, pre = small_linear(a, wo, residual=h, norm_out=(n2, 1e-5))
-    ref, pre3 = small_linear(small_linear(pre, wgu, bgu, gated=True), wd, bd, residual=h2,
-                             norm_out=(n3, 1e-6))
-    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(qkv, small_linear(pre3, wq, bq), atol=TOL[dtype],
-                               rtol=TOL[dtype])
-    f = {k: (v.float() if v is not None else 0.0) for k, v in dict(
-        a=a, h=h, wo=wo, wgu=wgu, wd=wd, wq=wq, bgu=bgu, bd=bd, bq=bq, n2=n2, n3=n3).items()}
-    h2f = f["h"] + f["a"] @ f["wo"].T
-    gate, up = (torch_rms(h2f, f["n2"], 1e-5) @ f["wgu"].T + f["bgu"]).chunk(2, -1)
-    outf = h2f + (torch.nn.functional.silu(gate) * up) @ f["wd"].T + f["bd"]
-    tol = 10 * TOL[dtype]
-    torch.testing.assert_close(out.float(), outf, atol=tol, rtol=tol)
-    torch.testing.assert_close(qkv.float(), torch_rms(outf, f["n3"], 1e-6) @ f["wq"].T
-                               + f["bq"], atol=tol, rtol=tol)
-    alone, nothing = layer_tail(a, wo, h, (n2, 1e-5), wgu, bgu, wd, bd, sync, sms=sms)
-    assert nothing is None and torch.equal(alone, out)
-    assert not sync.any()          # the barrier counters are left zeroed for the next launch
-
-
-def test_layer_tail_declines_what_needs_more_programs_than_sms():
-    """A phase needing more than one program per SM even with 256-row tiles (here a
-    4096-column down projection's 8192 gate/up rows on 8 SMs) is declined with None: the
-    caller then runs the kernels one by one."""
-    def zeros(*shape):
-        return torch.zeros(*shape, device=DEV)
-    assert layer_tail(zeros(1, 32), zeros(32, 32), zeros(1, 32), (zeros(32) + 1, 1e-6),
-                      zeros(8192, 32), None, zeros(32, 4096), None,
-                      torch.zeros(2, dtype=torch.int32, device=DEV), sms=8) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -418,11 +360,10 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 16
+    assert len(rows) == 14
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
-        # gdc_wait + launch_dependents (the persistent layer tail releases in two places)
-        assert row["pdl_instructions"] == (3 if "persistent" in row["kernel"] else 2), row
+        assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents
     by_name = {row["kernel"]: row for row in rows}
     # attention with known rows per request reads its inputs and older keys before the wait
     assert by_name["attention bf16 decode (split keys, 1 row per request)"][

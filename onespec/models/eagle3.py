@@ -103,26 +103,17 @@ class Eagle3Layer(nn.Module):
         return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
 
     def _forward_decode(self, a, residual, positions, rotary, meta):
-        """The layer on the Triton path: after attention one persistent kernel
-        (triton_linear.layer_tail), or one kernel per projection with the post-attention
-        RMSNorm split across o_proj (which leaves rows * weight and partial sums of
-        squares) and gate_up (which applies 1/rms), as DecoderLayer.forward_decode does."""
-        from onespec.layers import triton_linear as tlin
+        """The layer on the Triton path, with the post-attention RMSNorm split across
+        o_proj (which leaves rows * weight and partial sums of squares) and gate_up
+        (which applies 1/rms), as DecoderLayer.forward_decode does."""
+        from onespec.layers.triton_linear import small_linear
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        qkv = tlin.small_linear(a, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = small_linear(a, attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = attn.attend(qkv, positions, rotary, meta, fast=True)
-        if tlin.PERSISTENT:
-            done = tlin.layer_tail(out, attn.o_proj.weight, residual, (post.weight, post.eps),
-                                   mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                   mlp.down_proj.weight, mlp.down_proj.bias,
-                                   tlin.grid_sync_counter(self, a.device))
-            if done is not None:
-                return done[0]
-        h, pre = tlin.small_linear(out, attn.o_proj.weight, residual=residual,
-                                   norm_out=(post.weight, post.eps))
-        act = tlin.small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                gated=True)
-        return tlin.small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        h, pre = small_linear(out, attn.o_proj.weight, residual=residual,
+                              norm_out=(post.weight, post.eps))
+        act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+        return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
 
 class Eagle3Head(nn.Module):

@@ -164,41 +164,28 @@ class DecoderLayer(nn.Module):
                            fast=fast)
         return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
 
-    def forward_decode(self, h, qkv, positions, rotary, meta, nxt: "DecoderLayer | None"):
-        """forward() for decode-sized batches on the Triton path. `qkv`: this layer's qkv
-        projection, computed by the layer before (None: compute it here). After attention
-        the layer runs as one persistent kernel (triton_linear.layer_tail) that also
-        projects the next layer's (`nxt`) qkv; without it, one kernel per projection with
-        each RMSNorm split over the kernels around it (the residual kernel before it leaves
-        rows * weight and partial sums of squares, the GEMV after it applies 1/rms).
-        Returns (h, the next layer's qkv or None)."""
-        from onespec.layers import triton_linear as tlin
+    def forward_decode(self, h, pre, positions, rotary, meta, next_norm: RMSNorm | None):
+        """forward() for decode-sized batches on the Triton path, with each RMSNorm split
+        over the kernels around it: the residual kernel before it leaves rows * weight
+        and partial sums of squares, the GEMV after it applies 1/rms (triton_linear).
+        `pre`: this layer's input norm, left by the previous layer (None: compute it).
+        Returns (h, the next layer's input norm or None)."""
+        from onespec.layers.triton_linear import small_linear
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if qkv is None:
-            qkv = tlin.small_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                    norm_weight=norm1.weight, eps=norm1.eps)
+        if pre is None:
+            qkv = small_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                               norm_weight=norm1.weight, eps=norm1.eps)
+        else:
+            qkv = small_linear(pre, attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = attn.attend(qkv, positions, rotary, meta, fast=True)
-        nnorm = None if nxt is None else (nxt.input_layernorm.weight, nxt.input_layernorm.eps)
-        nproj = None if nxt is None else nxt.self_attn.qkv_proj
-        if tlin.PERSISTENT:
-            done = tlin.layer_tail(out, attn.o_proj.weight, h, (norm2.weight, norm2.eps),
-                                   mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                   mlp.down_proj.weight, mlp.down_proj.bias,
-                                   tlin.grid_sync_counter(self, h.device), next_norm=nnorm,
-                                   next_qkv=None if nxt is None else (nproj.weight, nproj.bias))
-            if done is not None:
-                return done
-        h, pre = tlin.small_linear(out, attn.o_proj.weight, residual=h,
-                                   norm_out=(norm2.weight, norm2.eps))
-        act = tlin.small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                gated=True)
-        if nxt is None:
-            return tlin.small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias,
-                                     residual=h), None
-        h, pre = tlin.small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h,
-                                   norm_out=nnorm)
-        return h, tlin.small_linear(pre, nproj.weight, nproj.bias)
+        h, pre = small_linear(out, attn.o_proj.weight, residual=h,
+                              norm_out=(norm2.weight, norm2.eps))
+        act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+        if next_norm is None:
+            return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h), None
+        return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h,
+                            norm_out=(next_norm.weight, next_norm.eps))
 
 
 class LlamaModel(nn.Module):
@@ -234,11 +221,11 @@ class LlamaForCausalLM(nn.Module):
         saved = {}
         layers = self.model.layers
         decode = decode_sized(h, self.fast_kernels)
-        qkv = None                      # decode: the layer's qkv, from the layer before
+        pre = None                      # decode: the next input norm, half done
         for i, layer in enumerate(layers):
             if decode:
-                nxt = layers[i + 1] if i + 1 < len(layers) else None
-                h, qkv = layer.forward_decode(h, qkv, positions, self.rotary, meta, nxt)
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                h, pre = layer.forward_decode(h, pre, positions, self.rotary, meta, nxt)
             else:
                 h = layer(h, positions, self.rotary, meta, self.fast_kernels)
             if i in capture:

@@ -12,6 +12,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +55,9 @@ def parse_args(argv):
     p.add_argument("--gen-len", type=int, default=128,
                    help="tokens per request in the timed decode phase")
     p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--trials", type=int, default=3,
+                   help="timed runs of --gen-len tokens per configuration; step_ms is their "
+                        "median (each run's in step_ms_trials)")
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"])
@@ -72,8 +76,9 @@ def parse_args(argv):
     args.acceptance = [a.strip() for a in args.acceptance.split(",")]
     args.hf_runs = [(c, int(b)) for c, b in (r.split(":") for r in args.hf_runs.split(","))]
     if min(args.batch_sizes) < 1 or min(args.ks) < 0 or args.gen_len < 1 \
-            or args.prompt_len < 1 or args.warmup_steps < 0:
-        p.error("batch sizes, --gen-len and --prompt-len must be >= 1; K, warm-up >= 0")
+            or args.prompt_len < 1 or args.warmup_steps < 0 or args.trials < 1:
+        p.error("batch sizes, --gen-len, --prompt-len and --trials must be >= 1; "
+                "K, warm-up >= 0")
     bad = [c for c, _ in args.hf_runs if c not in ("static", "dynamic")]
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
@@ -183,7 +188,8 @@ def release_memory(device: str):
 # ---- onespec -------------------------------------------------------------------------------
 @dataclass
 class Measurement:
-    step_ms: float
+    step_ms: float             # median of the trials
+    step_ms_trials: list[float]
     acceptance_length: float
     kv_tokens: float           # keys read per target layer per step, summed over the batch
     num_steps: int
@@ -219,13 +225,15 @@ def request_budget(args, k: int, acceptance: float) -> int:
     """max_tokens that no request reaches before timing ends: at most K+1 tokens a step over
     the prefill steps (which may already decode early requests), warm-up and timed steps."""
     prefill_steps = -(-max(args.batch_sizes) * args.prompt_len // MIN_STEP_TOKENS) + 1
-    steps = prefill_steps + args.warmup_steps + num_timed_steps(args.gen_len, acceptance)
+    steps = prefill_steps + args.warmup_steps + \
+        args.trials * num_timed_steps(args.gen_len, acceptance)
     return 2 + steps * (k + 1)
 
 
 def measure_decode(llm, batch: int, k: int, acceptance: float, args) -> Measurement:
-    """Prefill (untimed), warm-up steps, then timed decode steps with no prefill chunk in
-    them; every request stays running throughout. Requests are aborted at the end."""
+    """Prefill (untimed), warm-up steps, then `trials` runs of timed decode steps with no
+    prefill chunk in them; every request stays running throughout. Requests are aborted at
+    the end."""
     from onespec import SamplingParams
     eng = llm.engine
     set_draft(eng, k, acceptance)
@@ -243,21 +251,24 @@ def measure_decode(llm, batch: int, k: int, acceptance: float, args) -> Measurem
         tokens0 = sum(r.metrics.num_generated_tokens for r in reqs)
         target0 = sum(r.metrics.target_steps for r in reqs)
         kv_tokens = 0
-        sync(args.device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            kv_tokens += sum(r.num_computed for r in reqs) + batch * (k + 1)
-            eng.step()
-        sync(args.device)
-        elapsed = time.perf_counter() - t0
+        trials = []
+        for _ in range(args.trials):
+            sync(args.device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                kv_tokens += sum(r.num_computed for r in reqs) + batch * (k + 1)
+                eng.step()
+            sync(args.device)
+            trials.append(1e3 * (time.perf_counter() - t0) / steps)
         tokens = sum(r.metrics.num_generated_tokens for r in reqs) - tokens0
         target_steps = sum(r.metrics.target_steps for r in reqs) - target0
-        if any(r.is_finished for r in reqs) or target_steps != batch * steps:
+        if any(r.is_finished for r in reqs) or target_steps != batch * steps * args.trials:
             raise RuntimeError("not every request decoded in every timed step")
     finally:
         for r in reqs:
             eng.abort(r.request_id)
-    return Measurement(1e3 * elapsed / steps, tokens / target_steps, kv_tokens / steps, steps)
+    return Measurement(statistics.median(trials), trials, tokens / target_steps,
+                       kv_tokens / (steps * args.trials), steps * args.trials)
 
 
 def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> tuple[dict, dict]:
@@ -270,6 +281,7 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
     tok_s = batch * m.acceptance_length / m.step_ms * 1e3
     row = {"k": k, "forced_acceptance_length": acceptance,
            "acceptance_length": m.acceptance_length, "tok_s": tok_s, "step_ms": m.step_ms,
+           "step_ms_trials": m.step_ms_trials,
            "floor_ms": floor_ms, "hbm_fraction": floor_ms / m.step_ms,
            "baseline": "onespec-plain", "engine": "onespec",
            "context_len": m.kv_tokens / batch}
@@ -325,6 +337,8 @@ def run_hf(args, bandwidth: float, emit) -> dict[int, float]:
 
 # ---- the run -------------------------------------------------------------------------------
 def _significant(x, digits: int = 5):
+    if isinstance(x, list):
+        return [_significant(v, digits) for v in x]
     return float(f"{x:.{digits}g}") if isinstance(x, float) else x
 
 

@@ -73,9 +73,12 @@ def cases(arch: int):
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
            (4, 1))
-    yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
-           {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
+    fp32 = {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"}
+    yield ("small_linear float32 (tests)", tl_._small_linear_kernel, fp32,
            {**linear, **tiling(gated_cfg), "GATED": True, "IEEE": True}, gated_cfg[2:])
+    tiny_cfg = tl_._config(300, 256, False, sms)       # the tests' small models: 16 rows
+    yield ("small_linear float32 tiny (tests)", tl_._small_linear_kernel, fp32,
+           {**linear, **tiling(tiny_cfg), "IEEE": True}, tiny_cfg[2:])
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))

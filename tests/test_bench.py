@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +66,9 @@ def test_bench_decode_tiny_cpu(tmp_path):
         check_row(row)
         assert row["baseline"] == "onespec-plain"
         assert abs(row["acceptance_length"] - row["forced_acceptance_length"]) <= 0.35
+        assert len(row["step_ms_trials"]) == 3           # --trials' default; the median
+        assert row["step_ms"] == pytest.approx(statistics.median(row["step_ms_trials"]),
+                                               rel=1e-3)
         by_key[row["batch"], row["k"], row["forced_acceptance_length"]] = row
     for b in (1, 2):
         plain = by_key[b, 0, 1.0]
@@ -78,7 +82,8 @@ def test_bench_decode_tiny_cpu(tmp_path):
 
 def test_bench_hf_baseline_in_process(capsys):
     code = main(["decode", *TINY, "--batch-sizes", "1", "--ks", "0", "--gen-len", "4",
-                 "--prompt-len", "16", "--warmup-steps", "1", "--hf-runs", "dynamic:1"])
+                 "--prompt-len", "16", "--warmup-steps", "1", "--trials", "1",
+                 "--hf-runs", "dynamic:1"])
     assert code == 0
     rows = parse_lines(capsys.readouterr().out)
     assert [r["baseline"] for r in rows] == ["hf-transformers", "onespec-plain"]
@@ -86,6 +91,7 @@ def test_bench_hf_baseline_in_process(capsys):
         check_row(row)
         assert row["acceptance_length"] == 1.0
     hf, plain = rows
+    assert plain["step_ms_trials"] == [plain["step_ms"]]
     assert hf["cache"] == "dynamic" and hf["engine"] == "hf-transformers"
     assert plain["speedup_vs_hf"] == pytest.approx(plain["tok_s"] / hf["tok_s"], rel=1e-3)
 
@@ -95,3 +101,12 @@ def test_cli_dispatches_bench(capsys):
         cli.main(["bench", "--help"])
     assert e.value.code == 0
     assert "--batch-sizes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--trials", "0"], ["--gen-len", "0"], ["--batch-sizes", "0"],
+                                 ["--warmup-steps", "-1"]])
+def test_bench_rejects_bad_counts(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["decode", *TINY, *bad])
+    assert e.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def test_small_linear_rows_do_not_depend_on_the_batch(dtype):
 def test_default_tilings_spread_a_gemv_over_the_sms(sms):
     """Default tiling: the fewest rows per program (a multiple of 8, at least 16) that cover
     N in one wave — one program an SM, gated two — up to 64 rows; beyond, 32-row programs
-    (gated 64) in waves. A stage of a plain GEMV holds 16 KB of weight."""
+    (gated 64) in waves. A stage of a plain GEMV holds at most 16 KB of bf16 weight."""
     import triton
     from onespec.layers.triton_linear import _config
     for n in (40, 300, 2244, 4096, 6144, 8192, 8449, 14336, 32000, 128256):
@@ -91,7 +91,7 @@ def test_default_tilings_spread_a_gemv_over_the_sms(sms):
             else:
                 assert rows == (64 if gated else 32), (n, gated, rows)
             if not gated:
-                assert triton.next_power_of_2(rows) * block_k * 2 == 16384, (n, rows, block_k)
+                assert triton.next_power_of_2(rows) * block_k * 2 <= 16384, (n, rows, block_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -413,7 +413,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 14
+    assert len(rows) == 15
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents

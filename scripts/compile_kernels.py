@@ -40,8 +40,6 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
 
 
 def cases(arch: int):
-    import triton
-
     from onespec.layers import triton_attention as ta
     from onespec.layers import triton_linear as tl_
     pdl = arch >= 90
@@ -49,36 +47,28 @@ def cases(arch: int):
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
                   NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl)
-    # the 8B shape's tilings on an H200: qkv (48 rows in 64-row tiles), o_proj / down /
-    # lm_head (32 rows), gate_up (56 rows in 64-row tiles)
-    sms = tl_.H200_SMS
-    qkv_cfg, o_cfg = tl_._config(6144, 4096, False, sms), tl_._config(4096, 4096, False, sms)
-    gated_cfg = tl_._config(14336, 4096, True, sms)
-
-    def tiling(cfg):
-        return {"TILE_ROWS": cfg[0], "BLOCK_N": triton.next_power_of_2(cfg[0]),
-                "BLOCK_K": cfg[1]}
+    gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
     yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
-           {**linear, **tiling(qkv_cfg)}, qkv_cfg[2:])
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
     yield ("small_linear residual+norm_out", tl_._small_linear_kernel, ptrs,
-           {**linear, **tiling(o_cfg), "RESIDUAL": True, "NORM_OUT": True}, o_cfg[2:])
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
+            "NORM_OUT": True}, plain_cfg[2:])
     yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
-           {**linear, **tiling(gated_cfg), "GATED": True, "HAS_BIAS": True, "PRENORMED": True,
-            "BLOCK_P": 128}, gated_cfg[2:])
+           {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
+            "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
     yield ("small_linear fp32 logits", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
-           {**linear, **tiling(o_cfg)}, o_cfg[2:])
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
     yield ("small_linear greedy argmax", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
-           {**linear, **tiling(o_cfg), "ARGMAX": True}, o_cfg[2:])
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "ARGMAX": True},
+           plain_cfg[2:])
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
            (4, 1))
-    fp32 = {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"}
-    yield ("small_linear float32 (tests)", tl_._small_linear_kernel, fp32,
-           {**linear, **tiling(gated_cfg), "GATED": True, "IEEE": True}, gated_cfg[2:])
-    tiny_cfg = tl_._config(300, 256, False, sms)       # the tests' small models: 16 rows
-    yield ("small_linear float32 tiny (tests)", tl_._small_linear_kernel, fp32,
-           {**linear, **tiling(tiny_cfg), "IEEE": True}, tiny_cfg[2:])
+    yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
+           {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
+           {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
+            "IEEE": True}, gated_cfg[2:])
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))

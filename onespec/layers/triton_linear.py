@@ -34,7 +34,6 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
-H200_SMS = 132
 CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}   # (N, K, gated) -> tiling
 
 
@@ -66,20 +65,17 @@ def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
-        TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
-    # the same instructions; the loop's loads are software-pipelined (num_stages). A program
-    # owns TILE_ROWS weight rows in a tile of BLOCK_N (the next power of two; the rest masked
-    # off, never read), so any row count can be spread evenly over the SMs.
+    # the same instructions; the loop's loads are software-pipelined (num_stages).
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
-    n = pid * TILE_ROWS + tl.arange(0, BLOCK_N)
-    n_ok = (n < N) & (tl.arange(0, BLOCK_N) < TILE_ROWS)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     k = tl.arange(0, BLOCK_K)
     w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     x_ptrs = X + m[:, None] * stride_xm + k[None, :]
@@ -137,7 +133,7 @@ def _small_linear_kernel(
         yv = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
         tl.store(ARG_VAL + m * stride_arg + pid, tl.max(yv, 1), mask=m_ok)
         tl.store(ARG_IDX + m * stride_arg + pid,
-                 pid * TILE_ROWS + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
+                 pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
     else:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
     if NORM_OUT:
@@ -243,30 +239,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def _config(n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int, int]:
-    """(rows per program, BLOCK_K, num_warps, num_stages). N is spread evenly over the SMs —
-    one program per SM for a plain GEMV, two for a gated one (what their tiles' shared
-    memory lets an SM hold) — while that takes at most 64 rows a program; a larger N
-    streams in waves of 32-row (gated: 64-row) programs. From sweeps on an H200
-    (docs/PERFORMANCE.md §2e): the 8B shape's qkv takes 48 rows (128 programs, where 32-row
-    ones made 1.45 waves), gate_up 56 (256 programs instead of 224 of 64)."""
-    per_program = -(-n // (sms * (2 if gated else 1)))
-    rows = max(16, -(-per_program // 8) * 8)                   # rounded up to a multiple of 8
-    if gated:
-        return (min(rows, 64), 128, 4, 3)
-    if rows > 64:
-        return (32, 256, 4, 5)
-    # bf16: at most 16 KB of weight a stage; float32 (tests) must fit x and w in 5 stages
-    return (rows, 256 if rows <= 32 else 128, 4, 5)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; Triton's interpreter on the CPU takes the
-    H200's 132, so CPU tests run the tiles an H200 runs for the same shapes."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS
+def _config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
+    H200 (docs/PERFORMANCE.md)."""
+    return (64, 128, 4, 3) if gated else (32, 256, 4, 5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,7 +282,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (rows per program, BLOCK_K, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -323,9 +299,9 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    tile_rows, block_k, warps, stages = config or CONFIGS.get((n, k, gated)) or \
-        _config(n, k, gated, num_sms(x.device))
-    grid = triton.cdiv(n, tile_rows)
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, gated)) or \
+        _config(n, k, gated)
+    grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
         nxt = Prenormed(torch.empty_like(out),
@@ -349,7 +325,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
-        TILE_ROWS=tile_rows, BLOCK_N=triton.next_power_of_2(tile_rows), BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,

@@ -56,8 +56,8 @@ def parse_args(argv):
                    help="tokens per request in the timed decode phase")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--trials", type=int, default=3,
-                   help="timed runs of --gen-len tokens per configuration; step_ms is their "
-                        "median (each run's in step_ms_trials)")
+                   help="timed runs of --gen-len tokens per onespec configuration; step_ms "
+                        "is their median (each run's in step_ms_trials); transformers: one")
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"])
@@ -223,7 +223,8 @@ def num_timed_steps(gen_len: int, acceptance: float) -> int:
 
 def request_budget(args, k: int, acceptance: float) -> int:
     """max_tokens that no request reaches before timing ends: at most K+1 tokens a step over
-    the prefill steps (which may already decode early requests), warm-up and timed steps."""
+    the prefill steps (which may already decode early requests), warm-up and every trial's
+    timed steps."""
     prefill_steps = -(-max(args.batch_sizes) * args.prompt_len // MIN_STEP_TOKENS) + 1
     steps = prefill_steps + args.warmup_steps + \
         args.trials * num_timed_steps(args.gen_len, acceptance)

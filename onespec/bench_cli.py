@@ -261,15 +261,16 @@ def measure_decode(llm, batch: int, k: int, acceptance: float, args) -> Measurem
                 eng.step()
             sync(args.device)
             trials.append(1e3 * (time.perf_counter() - t0) / steps)
+        timed = steps * args.trials
         tokens = sum(r.metrics.num_generated_tokens for r in reqs) - tokens0
         target_steps = sum(r.metrics.target_steps for r in reqs) - target0
-        if any(r.is_finished for r in reqs) or target_steps != batch * steps * args.trials:
+        if any(r.is_finished for r in reqs) or target_steps != batch * timed:
             raise RuntimeError("not every request decoded in every timed step")
     finally:
         for r in reqs:
             eng.abort(r.request_id)
     return Measurement(statistics.median(trials), trials, tokens / target_steps,
-                       kv_tokens / (steps * args.trials), steps * args.trials)
+                       kv_tokens / timed, timed)
 
 
 def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> tuple[dict, dict]:

@@ -16,7 +16,7 @@ bench/decode.py), prints one JSON line per mode:
   - with --variants, first the step and replay times of each variant of the kernels' knobs
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
-    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages (a GEMV's tiling),
+    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
     attn=BLOCK_N:warps:stages[:splits]; '+' joins knobs into one variant.
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """

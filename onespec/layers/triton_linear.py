@@ -34,7 +34,7 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
-CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}   # (N, K, gated) -> tiling
+CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -76,23 +76,26 @@ def _small_linear_kernel(
     m_ok = m < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
-    # The first weight tile does not depend on the previous kernel: under programmatic
-    # dependent launch it streams while that kernel finishes.
-    w_mask = n_ok[:, None] & (k < K)[None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    w_rows = W + n[:, None].to(tl.int64) * stride_wn
+    # The first PRE weight tiles do not depend on the previous kernel: under programmatic
+    # dependent launch they stream while that kernel finishes.
+    kp = tl.arange(0, PRE * BLOCK_K)
+    w_mask = n_ok[:, None] & (kp < K)[None, :]
+    w = tl.load(w_rows + kp[None, :], mask=w_mask, other=0.0)
     wu = w
     if GATED:
-        wu = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+        wu = tl.load(w_rows + N * stride_wn + kp[None, :], mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    x = tl.load(x_ptrs, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    x = tl.load(X + m[:, None] * stride_xm + kp[None, :], mask=m_ok[:, None] & (kp < K)[None, :],
+                other=0.0)
     acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_rows + k[None, :]
+    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
+    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
         k_ok = k0 + k < K
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
@@ -282,7 +285,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
+    the number of weight tiles loaded before waiting for the previous kernel."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -299,8 +303,12 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, gated)) or \
+    block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
         _config(n, k, gated)
+    preload = preload[0] if preload else 1
+    if preload < 1 or preload & (preload - 1):
+        raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
+                         f"got {preload}")
     grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
@@ -325,7 +333,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Session 7 device call: graph-replay sweep of GEMV preload depths (weight tiles loaded
+# before the PDL wait), then the plain batch-1 benchmark of chosen variants in alternating
+# processes, then optionally the CUDA tests. Results in $OUT.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ -n "$VARIANTS" ]; then
+timeout ${PROFILE_S:-300} python scripts/profile_graph_step.py --modes ${MODES:-plain} \
+  --variants "$VARIANTS" > $OUT/profile_graph.jsonl 2> $OUT/profile_graph.log
+tail -2 $OUT/profile_graph.log
+python -c "
+import json
+for l in open('$OUT/profile_graph.jsonl'):
+    d = json.loads(l)
+    print(d['mode'], 'step', d['step_ms'], 'replay', d['replay_ms'], 'host', d['host_ms'])
+    for v in d['sweep']:
+        print('   ', v)
+    print('   layer', d['layer_kernels'])"
+fi
+if [ "$AB" = auto ]; then   # the default against the sweep's fastest replay
+AB=$(python -c "
+import json
+d = json.loads(open('$OUT/profile_graph.jsonl').readline())
+best = min((v for v in d['sweep'] if v['variant'] != 'default'), key=lambda v: v['replay_ms'])
+print('default,' + best['variant'])")
+echo "AB: $AB"
+fi
+if [ -n "$AB" ]; then
+timeout ${AB_S:-300} python scripts/ab_bench.py --variants "$AB" --runs ${AB_RUNS:-3} \
+  > $OUT/ab.jsonl 2> $OUT/ab.log
+cat $OUT/ab.jsonl
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+timeout ${BENCH_S:-150} python bench/decode.py --gen-len 96 --batch-sizes 1,32 --ks 0,3 \
+  --acceptance 3.0 --no-hf --out $OUT/decode.jsonl > /dev/null 2> $OUT/decode.log
+python -c "
+import json
+for l in open('$OUT/decode.jsonl'):
+    d = json.loads(l)
+    print(d.get('engine'), d.get('batch'), d.get('k'), d.get('step_ms'), d.get('floor_ms'),
+          d.get('hbm_fraction'), d.get('tok_s'), d.get('speedup'), d.get('error'))"
+fi
+if [ "${TESTS:-0}" = 1 ]; then
+ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-280} python -m pytest tests/test_cuda.py \
+  tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "${TEST_K:-not compile}" \
+  > $OUT/cuda_tests.log 2>&1
+tail -4 $OUT/cuda_tests.log
+fi
+exit 0

@@ -1,6 +1,6 @@
 """Compiles onespec's Triton kernels ahead of time for an NVIDIA target, without a GPU.
 
-    python scripts/compile_kernels.py [--arch 90]
+    python scripts/compile_kernels.py [--arch 90] [--linear 32:256:8:4:4:0,...]
 
 Each kernel is compiled in the configurations the engine launches on CUDA (bf16 decode,
 fp32 as in the GPU tests; programmatic dependent launch on for sm_90+), through Triton's
@@ -39,14 +39,14 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
             "global_loads_before_wait": before_wait.count("ld.global")}
 
 
-def cases(arch: int):
+def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     from onespec.layers import triton_attention as ta
     from onespec.layers import triton_linear as tl_
     pdl = arch >= 90
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
-                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl)
+                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1)
     gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
     yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
@@ -61,6 +61,12 @@ def cases(arch: int):
     yield ("small_linear greedy argmax", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "ARGMAX": True},
            plain_cfg[2:])
+    for cfg in extra_linear:       # (BLOCK_N, BLOCK_K, warps, stages, PRE, gated)
+        bn, bk, warps, stages, pre, gated = cfg
+        yield (f"small_linear {bn}:{bk}:{warps}:{stages}:{pre}{' gated' if gated else ''}",
+               tl_._small_linear_kernel, ptrs,
+               {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
+                "RESIDUAL": not gated}, (warps, stages))
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
@@ -107,11 +113,15 @@ def cases(arch: int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    p.add_argument("--linear", default="",
+                   help="also small_linear at these tilings: comma-separated "
+                        "BLOCK_N:BLOCK_K:warps:stages:preload:gated")
     args = p.parse_args()
+    extra = [tuple(int(v) for v in c.split(":")) for c in args.linear.split(",") if c]
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("run without TRITON_INTERPRET=1")
     ok = True
-    for name, fn, types, constexprs, (warps, stages) in cases(args.arch):
+    for name, fn, types, constexprs, (warps, stages) in cases(args.arch, extra):
         row = {"kernel": name, "arch": args.arch}
         try:
             row.update(compile_one(fn, types, constexprs, args.arch, warps, stages))

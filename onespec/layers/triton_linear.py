@@ -80,18 +80,18 @@ def _small_linear_kernel(
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
     # dependent launch they stream while that kernel finishes.
     kp = tl.arange(0, PRE * BLOCK_K)
-    w_mask = n_ok[:, None] & (kp < K)[None, :]
-    w = tl.load(w_rows + kp[None, :], mask=w_mask, other=0.0)
-    wu = w
+    mask_p = n_ok[:, None] & (kp < K)[None, :]
+    w_p = tl.load(w_rows + kp[None, :], mask=mask_p, other=0.0)
+    wu_p = w_p
     if GATED:
-        wu = tl.load(w_rows + N * stride_wn + kp[None, :], mask=w_mask, other=0.0)
+        wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    x = tl.load(X + m[:, None] * stride_xm + kp[None, :], mask=m_ok[:, None] & (kp < K)[None, :],
-                other=0.0)
-    acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
+    x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
+                  mask=m_ok[:, None] & (kp < K)[None, :], other=0.0)
+    acc, acc_up = _accumulate(acc, acc_up, x_p, w_p, wu_p, GATED, IEEE)
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_rows + k[None, :]
     x_ptrs = X + m[:, None] * stride_xm + k[None, :]
@@ -99,6 +99,7 @@ def _small_linear_kernel(
         k_ok = k0 + k < K
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        wu = w
         if GATED:
             wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)

@@ -115,10 +115,13 @@ def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
     return [[n[:40], round(s - t0, 1), round(e - s, 1)] for n, s, e in ks[lo:hi + 1]]
 
 
-def host_breakdown(eng, steps: int = 30) -> dict:
+def host_breakdown(eng, key, steps: int = 30) -> dict:
     """Host time per step in the engine's parts (runner.run includes the graph's GPU time,
-    since its one device-to-host copy waits for it)."""
+    since its one device-to-host copy waits for it); inside run: filling the inputs, the
+    replay call (the graph launch), and `gpu`, the graph's span on the GPU between events
+    recorded around the replay; `gap` = step - gpu, the time the GPU waits for the host."""
     spent: dict[str, float] = {}
+    graphs = eng.runner.graphs
 
     def timed(name, fn):
         def call(*a, **kw):
@@ -127,18 +130,41 @@ def host_breakdown(eng, steps: int = 30) -> dict:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
             return out
         return call
+
+    events = []
+
+    class TimedGraph:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            e0.record()
+            self.graph.replay()
+            e1.record()
+            spent["launch"] = spent.get("launch", 0.0) + time.perf_counter() - t
+            events.append((e0, e1))
+
     parts = [(eng.scheduler, "schedule"), (eng.scheduler, "postprocess"),
-             (eng.runner, "run"), (eng.stats, "record_step")]
+             (eng.runner, "run"), (eng.stats, "record_step"), (graphs, "_fill_inputs")]
     for obj, name in parts:
         setattr(obj, name, timed(name, getattr(obj, name)))
+    graph, out = graphs.graphs[key]
+    graphs.graphs[key] = (TimedGraph(graph), out)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     spent["step"] = time.perf_counter() - t
+    graphs.graphs[key] = (graph, out)
     for obj, name in parts:
         delattr(obj, name)
-    return {n: round(1e3 * v / steps, 3) for n, v in spent.items()}
+    torch.cuda.synchronize()
+    res = {n: round(1e3 * v / steps, 3) for n, v in spent.items()}
+    res["gpu"] = round(sum(a.elapsed_time(b) for a, b in events) / len(events), 3)
+    res["gap"] = round(res["step"] - res["gpu"], 3)
+    return res
 
 
 def apply_variant(spec: str):
@@ -198,7 +224,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
                       "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
         undo()
     restart(True)
-    host = host_breakdown(eng)
+    host = host_breakdown(eng, key)
     restart(False)
     step_ms = mean_ms(eng.step, 50)
     replay_ms = mean_ms(graphs.graphs[key][0].replay, 100)

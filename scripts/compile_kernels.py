@@ -53,6 +53,10 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("small_linear residual+norm_out", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
             "NORM_OUT": True}, plain_cfg[2:])
+    deep_cfg = tl_._config(1, 1, False, True)
+    yield ("small_linear residual+norm_out, square (o_proj) on sm_90", tl_._small_linear_kernel,
+           ptrs, {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
+                  "NORM_OUT": True}, deep_cfg[2:])
     yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])

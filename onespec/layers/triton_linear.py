@@ -243,10 +243,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def _config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
-    H200 (docs/PERFORMANCE.md)."""
-    return (64, 128, 4, 3) if gated else (32, 256, 4, 5)
+    H200 (docs/PERFORMANCE.md). `deep`: 16-bit weights on a GPU with Hopper's shared memory,
+    where a square projection (o_proj, after attention) streams 8 tiles deep (172 KB):
+    plain batch 1 on the 8B shape 4.34-4.43 vs 4.49-4.52 ms in alternating benchmark
+    processes (docs/PERFORMANCE.md, 2f)."""
+    if gated:
+        return 64, 128, 4, 3
+    return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_smem(device: torch.device) -> bool:
+    return device.type == "cuda" and not INTERPRETED and \
+        torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -305,7 +316,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
-        _config(n, k, gated)
+        _config(n, k, gated, weight.element_size() <= 2 and _hopper_smem(weight.device))
     preload = preload[0] if preload else 1
     if preload < 1 or preload & (preload - 1):
         raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "

@@ -255,7 +255,8 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_smem(device: torch.device) -> bool:
+def _hopper(device: torch.device) -> bool:
+    """Compiled Triton on Hopper or newer (PDL, 227 KB of shared memory per block)."""
     return device.type == "cuda" and not INTERPRETED and \
         torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -264,9 +265,7 @@ def _hopper_smem(device: torch.device) -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel starts while its predecessor finishes and
     waits for it with gdc_wait): Hopper or newer, compiled Triton; ONESPEC_PDL=0 disables."""
-    return (device.type == "cuda" and not INTERPRETED
-            and os.environ.get("ONESPEC_PDL", "1") != "0"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _hopper(device) and os.environ.get("ONESPEC_PDL", "1") != "0"
 
 
 def pdl_launch(pdl: bool) -> dict:
@@ -316,7 +315,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
-        _config(n, k, gated, weight.element_size() <= 2 and _hopper_smem(weight.device))
+        _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device))
     preload = preload[0] if preload else 1
     if preload < 1 or preload & (preload - 1):
         raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "

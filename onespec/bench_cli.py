@@ -67,6 +67,8 @@ def parse_args(argv):
                    help="also time transformers generate on the same shape")
     p.add_argument("--hf-runs", default="static:1,dynamic:32",
                    help="transformers runs as cache:batch (cache = static | dynamic)")
+    p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each graphed step before the previous one is read (engine)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -206,7 +208,8 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
-               num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed)
+               num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
+               overlap_scheduler=getattr(args, "overlap_scheduler", True))
 
 
 def set_draft(engine, k: int, acceptance: float):
@@ -286,6 +289,7 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
            "step_ms_trials": m.step_ms_trials,
            "floor_ms": floor_ms, "hbm_fraction": floor_ms / m.step_ms,
            "baseline": "onespec-plain", "engine": "onespec",
+           "overlap_scheduler": eng.config.overlap_scheduler,
            "context_len": m.kv_tokens / batch}
     return row, {name: 1e3 * b / bandwidth for name, b in parts.items()}
 

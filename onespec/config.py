@@ -35,6 +35,8 @@ class EngineConfig:
     # rotary kernels for decode-sized batches); auto = triton on CUDA
     attention_backend: str = "auto"
     cuda_graphs: bool = True           # graph the generation step (CUDA + triton only)
+    # launch graph step n+1 before reading step n's results (engine.Engine.step)
+    overlap_scheduler: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

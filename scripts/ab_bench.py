@@ -6,7 +6,8 @@ Graph replays of two variants inside one process have disagreed with the benchma
 separate processes (docs/PERFORMANCE.md, 2e), so a kernel choice is settled here: each run
 starts one fresh process per variant, in turn (the order alternating between runs), and
 each process times `onespec bench decode --batch-sizes 1 --ks 0` with the variant's knobs
-set (the knobs of scripts/profile_graph_step.py --variants). One JSON line per process.
+set (the knobs of scripts/profile_graph_step.py --variants, and `sync`: the overlap
+scheduler off). One JSON line per process.
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ def one(variant: str, gen_len: int, shape: str) -> dict:
     from profile_graph_step import apply_variant
 
     from onespec.bench_cli import main
-    apply_variant(variant)
+    knobs = variant.split("+")
+    apply_variant("+".join(x for x in knobs if x != "sync"))
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(["decode", "--gen-len", str(gen_len), "--batch-sizes", "1", "--ks", "0",
-              "--no-hf", "--shape", shape])
+              "--no-hf", "--shape", shape] + (["--no-overlap-scheduler"] if "sync" in knobs
+                                              else []))
     row = next(r for r in map(json.loads, buf.getvalue().splitlines())
                if r.get("engine") == "onespec")
     return {"variant": variant, "step_ms": row["step_ms"], "trials": row["step_ms_trials"],

@@ -116,10 +116,11 @@ def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
 
 
 def host_breakdown(eng, key, steps: int = 30) -> dict:
-    """Host time per step in the engine's parts (runner.run includes the graph's GPU time,
-    since its one device-to-host copy waits for it); inside run: filling the inputs, the
-    replay call (the graph launch), and `gpu`, the graph's span on the GPU between events
-    recorded around the replay; `gap` = step - gpu, the time the GPU waits for the host."""
+    """Host time per step in the engine's parts (runner.collect waits for the GPU); inside
+    runner.launch: filling the inputs and the replay call (the graph launch); `gpu`, the
+    graph's span on the GPU between events recorded around the replay; `gap` = step - gpu,
+    the time the GPU waits for the host (about 0 when the overlap scheduler launches each
+    step before the one in flight is read)."""
     spent: dict[str, float] = {}
     graphs = eng.runner.graphs
 
@@ -147,17 +148,18 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
             events.append((e0, e1))
 
     parts = [(eng.scheduler, "schedule"), (eng.scheduler, "postprocess"),
-             (eng.runner, "run"), (eng.stats, "record_step"), (graphs, "_fill_inputs")]
+             (eng.runner, "launch"), (eng.runner, "collect"), (eng.stats, "record_step"),
+             (graphs, "_fill_inputs")]
     for obj, name in parts:
         setattr(obj, name, timed(name, getattr(obj, name)))
-    graph, out = graphs.graphs[key]
-    graphs.graphs[key] = (TimedGraph(graph), out)
+    graph = graphs.graphs[key]
+    graphs.graphs[key] = TimedGraph(graph)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     spent["step"] = time.perf_counter() - t
-    graphs.graphs[key] = (graph, out)
+    graphs.graphs[key] = graph
     for obj, name in parts:
         delattr(obj, name)
     torch.cuda.synchronize()
@@ -221,21 +223,21 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
         undo = apply_variant(variant)
         restart(True)
         sweep.append({"variant": variant, "step_ms": round(mean_ms(eng.step, 50), 3),
-                      "replay_ms": round(mean_ms(graphs.graphs[key][0].replay, 100), 3)})
+                      "replay_ms": round(mean_ms(graphs.standalone(key).replay, 100), 3)})
         undo()
     restart(True)
     host = host_breakdown(eng, key)
     restart(False)
     step_ms = mean_ms(eng.step, 50)
-    replay_ms = mean_ms(graphs.graphs[key][0].replay, 100)
+    replay_ms = mean_ms(graphs.standalone(key).replay, 100)
     restart(False)
     # capture again with phase markers
     labels: list[str] = []
     install_markers(eng.runner.worker, labels)
     graphs.graphs.clear()
     eng.step()
-    graph = graphs.graphs[key][0]
-    replay_marked_ms = mean_ms(graph.replay, 50)
+    graph = graphs.graphs[key]
+    replay_marked_ms = mean_ms(graphs.standalone(key).replay, 50)
     replays = 10
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):

@@ -107,3 +107,63 @@ def test_cuda_graphs_forced_acceptance(pair):
     for o in outs:
         assert o.metrics.acceptance_length > 2.5
     assert_pool_full(llm)
+
+
+def _overlap_llm(target, head, k: int, overlap: bool):
+    from onespec import LLM, Eagle3Config
+    spec = Eagle3Config(head, max_draft_len=k) if k else None
+    return LLM(target, device="cuda", dtype="float32", max_batch_size=8,
+               speculative_config=spec, overlap_scheduler=overlap)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_overlap_scheduler_matches_sync_steps(pair, k):
+    """Steps launched before the previous one is read give the same tokens, finish reasons
+    and metrics as synchronous steps, with requests stopping mid-chain on a stop token
+    (known only on the device) and at different max_tokens."""
+    from onespec import SamplingParams
+    target, hf, head = pair
+    full = [hf_greedy(hf, p, 30) for p in PROMPTS]
+    # each request stops at the first occurrence of the token at its (7 + 3i)-th output
+    params = [SamplingParams(max_tokens=30 - 2 * i, stop_token_ids=[out[7 + 3 * i]],
+                             ignore_eos=True) for i, out in enumerate(full)]
+    runs = []
+    for overlap in (False, True):
+        llm = _overlap_llm(target, head, k, overlap)
+        outs = llm.generate(PROMPTS, params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, vars(o.metrics))
+                     for o in outs])
+        assert_pool_full(llm)
+        chained = llm.engine.runner.graphs.num_chained
+        assert (chained > 0) == overlap, chained
+    assert runs[0] == runs[1]
+    for (tokens, reason, _), out, sp in zip(runs[1], full, params):
+        assert reason == "stop" and tokens == out[:out.index(sp.stop_token_ids[0]) + 1]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_overlap_scheduler_abort_in_flight(pair, k):
+    """Aborting a request while a step holding it is in flight frees its blocks at once,
+    drops its row of that step, and leaves the other requests' outputs unchanged."""
+    from onespec import SamplingParams
+    target, hf, head = pair
+    llm = _overlap_llm(target, head, k, True)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    reqs = [eng.add_request(p, sp) for p in PROMPTS[:3]]
+    while eng.runner.graphs.num_chained < 2:
+        eng.step()
+    assert eng._inflight is not None
+    eng.abort(reqs[1].request_id)
+    assert reqs[1].finish_reason == "abort" and not reqs[1].block_table
+    n_out = len(reqs[1].output_token_ids)
+    while eng.has_unfinished():
+        eng.step()
+    assert len(reqs[1].output_token_ids) == n_out          # the dropped row added nothing
+    for r in (reqs[0], reqs[2]):
+        assert r.output_token_ids == hf_greedy(hf, r.prompt_token_ids, 24)
+    assert_pool_full(llm)
+    # a new request after the in-flight step of aborted rows still decodes from scratch
+    again = llm.generate([PROMPTS[4]], sp)[0].outputs[0].token_ids
+    assert again == hf_greedy(hf, PROMPTS[4], 24)
+    assert_pool_full(llm)

@@ -8,6 +8,8 @@ touch nothing real; their rows are dropped from the results.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +18,14 @@ from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
 from onespec.spec.worker import SpecWorker, StepInputs
+
+
+@dataclass
+class PendingStep:
+    """A launched graph step whose results the host has not read yet."""
+    batch: ScheduledBatch
+    bucket: int
+    slot: int            # which pinned input/output pair it uses
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -29,10 +39,11 @@ class CudaGraphRunner:
         self.scratch_block = scratch_block
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch_size] + [max_batch_size]
         self.width = max_blocks_per_seq
-        self.graphs: dict[tuple, tuple] = {}     # (bucket, K, forced acceptance) -> (graph, out)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}   # (bucket, K, forced acceptance)
         self.pool = torch.cuda.graph_pool_handle()
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
         self.num_replays = 0
+        self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -45,29 +56,45 @@ class CudaGraphRunner:
         return next(b for b in self.buckets if b >= n)
 
     # ---- capture -----------------------------------------------------------------------
-    def _buffers(self, k: int) -> dict[str, torch.Tensor]:
-        """One pinned host buffer and its device copy per draft length, holding a bucket's
-        inputs back to back (_layout); the graph's first node copies them in."""
+    def _buffers(self, k: int) -> dict:
+        """Per draft length: the inputs of a bucket back to back (_layout) in two pinned host
+        buffers (a step's inputs are written while the step before may still be copying
+        its own in) and their device copy; the results of the last step on the device
+        (`prev`, what a chained step reads) and in two pinned buffers; one event per
+        pinned pair, recorded when the step that uses it has copied its results out."""
         if k not in self.bufs:
             size = self._layout(self.buckets[-1], k)[-1]
-            self.bufs[k] = {"host": torch.zeros(size, dtype=torch.int64, pin_memory=True),
-                            "dev": torch.zeros(size, dtype=torch.int64, device=self.device)}
+            out = self.buckets[-1] * (2 * k + 2)
+            self.bufs[k] = {
+                "host": [torch.zeros(size, dtype=torch.int64, pin_memory=True)
+                         for _ in range(2)],
+                "dev": torch.zeros(size, dtype=torch.int64, device=self.device),
+                "prev": torch.zeros(out, dtype=torch.int64, device=self.device),
+                "out": [torch.zeros(out, dtype=torch.int64, pin_memory=True) for _ in range(2)],
+                "events": [torch.cuda.Event() for _ in range(2)],
+                "next": 0}
         return self.bufs[k]
 
-    def _layout(self, b: int, k: int) -> tuple[int, int, int, int, int]:
+    def _layout(self, b: int, k: int) -> tuple[int, int, int, int, int, int]:
         """Offsets of input_ids, positions [b (k+1)], draft tokens [b, k], block tables
-        [b, width] and the end, for bucket b."""
+        [b, width], chain sources [b] (chain.py) and the end, for bucket b."""
         rows = b * (k + 1)
-        return 0, rows, 2 * rows, 2 * rows + b * k, 2 * rows + b * k + b * self.width
+        o_tables = 2 * rows + b * k
+        o_src = o_tables + b * self.width
+        return 0, rows, 2 * rows, o_tables, o_src, o_src + b
 
-    def _step(self, b: int, k: int) -> torch.Tensor:
+    def _step(self, b: int, k: int):
+        """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
+        results to `prev`."""
+        from onespec.engine.chain import chain_inputs
         buf = self._buffers(k)
-        o_ids, o_pos, o_drafts, o_tables, end = self._layout(b, k)
+        layout = self._layout(b, k)
+        o_ids, o_pos, o_drafts, o_tables, _, _ = layout
         dev = buf["dev"]
-        dev[:end].copy_(buf["host"][:end], non_blocking=True)     # pinned: captured as a node
+        chain_inputs(dev, buf["prev"], layout, b, k)
         rows = b * (k + 1)
         ids, pos = dev[o_ids:o_pos], dev[o_pos:o_drafts]
-        tables = dev[o_tables:end].view(b, self.width)
+        tables = dev[o_tables:o_tables + b * self.width].view(b, self.width)
         meta = build_attention_metadata(tables, k + 1, pos, self.block_size,
                                         sliding_window=self.sliding_window, backend="triton")
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -80,66 +107,119 @@ class CudaGraphRunner:
             draft_probs=None, row_sampling=self.greedy(rows), gen_sampling=self.greedy(b),
             draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size)
         res = self.worker.step(inp)
-        return torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
+        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
+        buf["prev"][:out.numel()].copy_(out)
 
-    def _fill_inputs(self, reqs, b: int, k: int):
-        """Writes the step's inputs into the pinned host buffer in bucket b's layout; rows
-        past the real requests are padding (position 0.., the scratch block)."""
-        o_ids, o_pos, o_drafts, o_tables, end = self._layout(b, k)
-        host = self._buffers(k)["host"].numpy()
+    def _fill_inputs(self, reqs, b: int, k: int, host: torch.Tensor, chained: bool = False):
+        """Writes the step's inputs into a pinned host buffer in bucket b's layout; rows
+        past the real requests are padding (position 0.., the scratch block). `chained`:
+        request i continues row i of the step launched just before, whose results the host
+        has not seen: its tokens and drafts come from there on the device, and its
+        positions (written here as that step's) move on by its accepted count."""
+        o_ids, o_pos, o_drafts, o_tables, o_src, end = self._layout(b, k)
+        host = host.numpy()
         n = len(reqs)
         ids = host[o_ids:o_pos].reshape(b, k + 1)
         pos = host[o_pos:o_drafts].reshape(b, k + 1)
         drafts = host[o_drafts:o_tables].reshape(b, k)
-        tables = host[o_tables:end].reshape(b, self.width)
+        tables = host[o_tables:o_src].reshape(b, self.width)
+        src = host[o_src:end]
         ids.fill(0)
         drafts.fill(0)
         tables.fill(self.scratch_block)
+        src.fill(-1)
         pos[:] = np.arange(k + 1)
         for i, r in enumerate(reqs):
-            d = r.draft_tokens[:k]
-            drafts[i, :len(d)] = d
-            ids[i, 0] = r.token_ids[-1]
             pos[i] += r.num_computed
             tables[i, :len(r.block_table)] = r.block_table
-        ids[:n, 1:] = drafts[:n]
+            if not chained:
+                d = r.draft_tokens[:k]
+                drafts[i, :len(d)] = d
+                ids[i, 0] = r.token_ids[-1]
+        if chained:
+            src[:n] = np.arange(n)
+        else:
+            ids[:n, 1:] = drafts[:n]
 
     def capture(self, k: int, buckets=None):
         """Captures every bucket for draft length k (largest first: they share one pool)."""
         key_a = self.worker.force_acceptance_length
         todo = [b for b in sorted(buckets or self.buckets, reverse=True)
                 if (b, k, key_a) not in self.graphs]
+        buf = self._buffers(k)
+        torch.cuda.synchronize(self.device)   # no launched step still reads dev or prev
         for b in tqdm(todo, desc=f"capturing CUDA graphs (K={k})", leave=False):
-            self._fill_inputs([], b, k)      # all padding: the scratch block
+            end = self._layout(b, k)[-1]
+            self._fill_inputs([], b, k, buf["host"][0])      # all padding: the scratch block
+            buf["dev"][:end].copy_(buf["host"][0][:end])
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._step(b, k)             # warm-up: compiles kernels, builds inputs
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # accepted rows [b, k+1], accepted counts [b], next drafts [b, k]
-            host = torch.empty(b * (2 * k + 2), dtype=torch.int64, pin_memory=True)
             with torch.cuda.graph(graph, pool=self.pool):
-                host.copy_(self._step(b, k), non_blocking=True)   # the graph's last node
-            self.graphs[(b, k, key_a)] = (graph, host)
+                self._step(b, k)
+            self.graphs[(b, k, key_a)] = graph
 
     # ---- replay ------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """Returns (num_accepted, accepted rows, drafts) for the real requests."""
+    def can_chain(self, prev: PendingStep, batch: ScheduledBatch) -> bool:
+        """Whether `batch` (prev's requests, in order) can run as prev's chained successor:
+        same bucket and draft length (so prev's results lie where it reads them), its graph
+        already captured (capturing would overwrite them)."""
+        b = self.bucket(len(batch.generation))
+        return (batch.k == prev.batch.k and b == prev.bucket and self.can_run(batch)
+                and (b, batch.k, self.worker.force_acceptance_length) in self.graphs)
+
+    def launch(self, batch: ScheduledBatch, chained: bool = False) -> PendingStep:
+        """Enqueues the batch's step (inputs in, graph, results out) without waiting for
+        it. `chained`: the batch is the previous launch's, request for request (see
+        _fill_inputs)."""
         reqs, k = batch.generation, batch.k
-        n, b = len(reqs), self.bucket(len(reqs))
+        b = self.bucket(len(reqs))
         key = (b, k, self.worker.force_acceptance_length)
         if key not in self.graphs:
             self.capture(k, [b])
-        graph, out = self.graphs[key]
-        self._fill_inputs(reqs, b, k)
-        graph.replay()              # copies the inputs in and the results out (pinned)
-        torch.cuda.current_stream(self.device).synchronize()       # the step's one sync
+        buf = self._buffers(k)
+        slot = buf["next"]
+        buf["next"] ^= 1
+        event = buf["events"][slot]
+        event.synchronize()          # the launch before last, which used this slot, is done
+        end = self._layout(b, k)[-1]
+        self._fill_inputs(reqs, b, k, buf["host"][slot], chained)
+        buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
+        self.graphs[key].replay()
+        size = b * (2 * k + 2)
+        buf["out"][slot][:size].copy_(buf["prev"][:size], non_blocking=True)
+        event.record()
         self.num_replays += 1
+        self.num_chained += chained
+        return PendingStep(batch, b, slot)
+
+    def collect(self, step: PendingStep) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Waits for a launched step; returns (num_accepted, accepted rows, drafts) of its
+        real requests."""
+        k, b, n = step.batch.k, step.bucket, len(step.batch.generation)
+        buf = self._buffers(k)
+        buf["events"][step.slot].synchronize()          # the step's one sync
         rows = b * (k + 1)
-        flat = out.tolist()
+        flat = buf["out"][step.slot][:b * (2 * k + 2)].tolist()
         accepted = [flat[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
         num_acc = flat[rows:rows + n]
         base = rows + b
         next_drafts = [flat[base + i * k:base + (i + 1) * k] for i in range(n)]
         return num_acc, accepted, next_drafts
+
+    def standalone(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """Graph `key`, to replay outside the engine (profiling): its inputs as the last
+        launch left them, but no row chained to a previous step (a chained row's
+        positions would move on by its accepted count at every replay)."""
+        b, k, _ = key
+        o_src, end = self._layout(b, k)[4:]
+        torch.cuda.synchronize(self.device)
+        self.bufs[k]["dev"][o_src:end] = -1
+        return self.graphs[key]
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """launch + collect."""
+        return self.collect(self.launch(batch))

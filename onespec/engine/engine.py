@@ -7,11 +7,11 @@ import os
 import torch
 
 from onespec.config import Eagle3Config, EngineConfig
-from onespec.engine.cuda_graph import CudaGraphRunner
+from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
-from onespec.engine.scheduler import Scheduler
+from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
@@ -123,6 +123,7 @@ class Engine:
         self.draft_len_fn = self._default_draft_len
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
+        self._inflight: PendingStep | None = None    # launched, results not read (overlap)
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config) -> Eagle3Drafter:
@@ -220,15 +221,53 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One engine step. Returns the requests that advanced (finished ones included)."""
-        k = self.draft_len_fn(self.scheduler.num_candidates)
-        batch = self.scheduler.schedule(k)
-        if not batch.requests:
-            return []
-        out = self.runner.run(batch)
+        """One engine step. Returns the requests that advanced (finished ones included).
+
+        With the overlap scheduler, a generation step that replays a CUDA graph is launched
+        and, before its results are read, the next step of the same requests is launched
+        behind it (its inputs taken from this one's results on the device), so the GPU
+        never waits for the host's postprocessing and scheduling. Each call still returns
+        one step's results; a request that finishes in step n has its row of step n+1
+        computed and dropped."""
+        try:
+            if self._inflight is None:
+                k = self.draft_len_fn(self.scheduler.num_candidates)
+                batch = self.scheduler.schedule(k)
+                if not batch.requests:
+                    return []
+                if not (self.config.overlap_scheduler and self.runner.can_launch(batch)):
+                    return self._finish_step(batch, self.runner.run(batch))
+                self._inflight = self.runner.launch(batch)
+            current = self._inflight
+            self._inflight = self._launch_next(current)
+            return self._finish_step(current.batch, self.runner.collect(current))
+        except BaseException:
+            self._inflight = None
+            raise
+
+    def _launch_next(self, current: PendingStep) -> PendingStep | None:
+        """Launches the step after `current` for the same requests, if nothing would change
+        it: no request waiting, none aborted, the same draft length, and room in every
+        request's blocks and budget for one more step whatever `current` accepts."""
+        sched = self.scheduler
+        reqs = current.batch.generation
+        if sched.waiting or len(sched.running) != len(reqs) or \
+                any(r.status != RequestStatus.RUNNING for r in reqs):
+            return None
+        k = self.draft_len_fn(sched.num_candidates)
+        batch = ScheduledBatch([], list(reqs), k)
+        if not self.runner.graphs.can_chain(current, batch):
+            return None
+        if not all(sched.reserve_ahead(r, k) for r in reqs):
+            return None
+        return self.runner.launch(batch, after=current)
+
+    def _finish_step(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        live = [r.status == RequestStatus.RUNNING for r in batch.generation]
         had_drafts = [bool(r.draft_tokens) for r in batch.generation]
         advanced = self.scheduler.postprocess(batch, out)
-        self.stats.record_step(k, [n for n, h in zip(out.num_accepted, had_drafts) if h])
+        self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
+                                         if h and a])
         for req in advanced:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from onespec.engine.cuda_graph import PendingStep
 from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
@@ -35,8 +36,7 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         if self.graphs is not None and self.graphs.can_run(batch):
-            num_acc, accepted, drafts = self.graphs.run(batch)
-            return StepOutput([], accepted, num_acc, drafts)
+            return self.collect(self.graphs.launch(batch))
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
@@ -57,6 +57,20 @@ class ModelRunner:
             num_accepted=num_acc,
             drafts=drafts,
         )
+
+    def can_launch(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch runs as a graph step that can be launched and collected later."""
+        return self.graphs is not None and self.graphs.can_run(batch)
+
+    def launch(self, batch: ScheduledBatch, after: PendingStep | None = None) -> PendingStep:
+        """Enqueues a graph step (can_launch) without waiting for it. `after`: a launched
+        step not yet collected whose requests `batch` continues, row for row (the overlap
+        scheduler): their tokens, drafts and positions come from its results on the device."""
+        return self.graphs.launch(batch, chained=after is not None)
+
+    def collect(self, step: PendingStep) -> StepOutput:
+        num_acc, accepted, drafts = self.graphs.collect(step)
+        return StepOutput([], accepted, num_acc, drafts)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k

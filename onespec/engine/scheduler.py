@@ -65,6 +65,20 @@ class Scheduler:
         extra = max(k + 1, 2 * k) if self.has_drafter else k + 1
         return req.num_computed + extra
 
+    def reserve_ahead(self, req: Request, k: int) -> bool:
+        """For a step launched before the one in flight is read (the overlap scheduler):
+        slots for a step of k drafts after req accepts up to k + 1 more tokens, and no way
+        for those tokens to end req by length. False (nothing preempted) otherwise."""
+        sp = req.sampling_params
+        if len(req.output_token_ids) + k + 1 >= sp.max_tokens or \
+                req.num_tokens + k + 1 >= self.max_model_len:
+            return False
+        slots = self._gen_slots(req, k) + k + 1
+        if not self.pool.can_allocate(req.block_table, slots):
+            return False
+        self.pool.allocate(req.block_table, slots)
+        return True
+
     def _ctx_slots(self, chunk_end: int, is_last: bool, k: int) -> int:
         return chunk_end + (max(k - 1, 0) if is_last and self.has_drafter else 0)
 
@@ -153,6 +167,8 @@ class Scheduler:
             advanced.append(req)
         for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
             next_drafts = next(drafts)
+            if req.status != RequestStatus.RUNNING:
+                continue    # finished or aborted while this (overlapped) step was in flight
             if batch.k > 0 and req.draft_tokens:
                 req.metrics.num_draft_tokens += batch.k
                 req.metrics.num_accepted_draft_tokens += n - 1

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Session 7 device call: graph-replay sweep of GEMV preload depths (weight tiles loaded
-# before the PDL wait), then the plain batch-1 benchmark of chosen variants in alternating
-# processes, then optionally the CUDA tests. Results in $OUT.
+# One device call, each part optional (results in $OUT):
+#   TESTS=1      the CUDA tests first (TEST_FILES, TEST_K, TESTS_S)
+#   VARIANTS=..  graph-replay sweep of kernel variants (scripts/profile_graph_step.py)
+#   AB=auto|v,w  the plain batch-1 benchmark of variants in alternating processes
+#   BENCH=1      bench/decode.py at batch 1 and 32, K 0 and 3 (BENCH_ARGS appended)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ "${TESTS:-0}" = 1 ]; then
+ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-280} python -m pytest ${TEST_FILES:-tests/test_cuda.py tests/test_chain.py tests/test_triton_kernels.py} -q -x -p no:cacheprovider -k "${TEST_K:-not compile}" \
+  > $OUT/cuda_tests.log 2>&1
+tail -4 $OUT/cuda_tests.log
+fi
 if [ -n "$VARIANTS" ]; then
 timeout ${PROFILE_S:-300} python scripts/profile_graph_step.py --modes ${MODES:-plain} \
   --variants "$VARIANTS" > $OUT/profile_graph.jsonl 2> $OUT/profile_graph.log
@@ -31,18 +38,12 @@ cat $OUT/ab.jsonl
 fi
 if [ "${BENCH:-0}" = 1 ]; then
 timeout ${BENCH_S:-150} python bench/decode.py --gen-len 96 --batch-sizes 1,32 --ks 0,3 \
-  --acceptance 3.0 --no-hf --out $OUT/decode.jsonl > /dev/null 2> $OUT/decode.log
+  --acceptance 3.0 --no-hf $BENCH_ARGS --out $OUT/decode${BENCH_TAG}.jsonl > /dev/null 2> $OUT/decode${BENCH_TAG}.log
 python -c "
 import json
-for l in open('$OUT/decode.jsonl'):
+for l in open('$OUT/decode${BENCH_TAG}.jsonl'):
     d = json.loads(l)
     print(d.get('engine'), d.get('batch'), d.get('k'), d.get('step_ms'), d.get('floor_ms'),
-          d.get('hbm_fraction'), d.get('tok_s'), d.get('speedup'), d.get('error'))"
-fi
-if [ "${TESTS:-0}" = 1 ]; then
-ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-280} python -m pytest tests/test_cuda.py \
-  tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "${TEST_K:-not compile}" \
-  > $OUT/cuda_tests.log 2>&1
-tail -4 $OUT/cuda_tests.log
+          d.get('hbm_fraction'), d.get('tok_s'), d.get('speedup'), d.get('overlap_scheduler'), d.get('error'))"
 fi
 exit 0

@@ -12,6 +12,7 @@ bench/decode.py), prints one JSON line per mode:
     draft lm_head + argmax) and replayed under torch.profiler; each phase's time is the
     span between its markers (so PDL overlap inside a phase counts once), with its kernel
     count;
+  - step_gaps: the GPU's idle time between kernels and copies over ten engine steps;
   - one target layer's kernel sequence (name, start offset, duration in µs);
   - with --variants, first the step and replay times of each variant of the kernels' knobs
     (each captured afresh, the default measured again after them for the drift):
@@ -102,6 +103,32 @@ def phase_table(kern, labels, replays: int) -> list[dict]:
                                             "kernels": per - prev_i - 1})
         tail["us"] += (ks[-1][2] - prev_end) / replays
     return [{**r, "us": round(r["us"], 1)} for _, r in sorted(rows.items())]
+
+
+def step_gaps(eng, steps: int = 10, min_us: float = 1.0) -> dict:
+    """The GPU's idle time while the engine steps (overlap scheduler as configured): every
+    kernel and copy of `steps` engine steps in time order; gaps of at least min_us between
+    one's end and the next one's start, per step, summed by (before, after) names."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    ev = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA"), key=lambda x: x[1])
+    pairs: dict[str, float] = {}
+    idle, end = 0.0, ev[0][2]
+    for (name0, _, _), (name1, start, stop) in zip(ev, ev[1:]):
+        gap = start - end
+        if gap >= min_us:
+            idle += gap
+            key = f"{name0[:32]} -> {name1[:32]}"
+            pairs[key] = pairs.get(key, 0.0) + gap
+        end = max(end, stop)
+    top = sorted(pairs.items(), key=lambda kv: -kv[1])[:8]
+    return {"span_ms": round((end - ev[0][1]) / 1e3 / steps, 3),
+            "idle_us": round(idle / steps, 1),
+            "top_gaps_us": [[k, round(v / steps, 1)] for k, v in top]}
 
 
 def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
@@ -228,6 +255,8 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     restart(True)
     host = host_breakdown(eng, key)
     restart(False)
+    gaps = step_gaps(eng)
+    restart(False)
     step_ms = mean_ms(eng.step, 50)
     replay_ms = mean_ms(graphs.standalone(key).replay, 100)
     restart(False)
@@ -235,7 +264,8 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     labels: list[str] = []
     install_markers(eng.runner.worker, labels)
     graphs.graphs.clear()
-    eng.step()
+    while key not in graphs.graphs:     # the step in flight first, then a fresh launch
+        eng.step()
     graph = graphs.graphs[key]
     replay_marked_ms = mean_ms(graphs.standalone(key).replay, 50)
     replays = 10
@@ -247,6 +277,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     out = {"mode": "plain" if k == 0 else f"K={k} a={acceptance:g}", "batch": args.batch,
            "step_ms": round(step_ms, 3), "replay_ms": round(replay_ms, 3),
            "host_ms": round(step_ms - replay_ms, 3), "host_parts_ms": host,
+           "step_gaps": gaps,
            "sweep": sweep,
            "replay_marked_ms": round(replay_marked_ms, 3),
            "kernels_per_step": len(kern) // replays - len(labels),

@@ -309,3 +309,57 @@ def test_abort_decoding_prefilling_and_waiting_requests(path, hf):
     assert reqs[2].output_token_ids == ref(hf, 1)
     assert reqs[2].finish_reason == "length"
     assert_pool_full(llm)
+
+
+def _running_request(sched, prompt_len: int, max_tokens: int, k: int):
+    """A request taken through its prefill by the real scheduler, then into generation."""
+    from onespec.engine.request import Request
+    from onespec.engine.scheduler import StepOutput
+    req = Request("r", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    sched.add(req)
+    batch = sched.schedule(k)
+    sched.postprocess(batch, StepOutput([7], [], [], [[8] * k]))
+    assert not req.in_context and req.num_computed == prompt_len
+    return req
+
+
+def test_reserve_ahead_reserves_one_more_step_or_nothing():
+    """The overlap scheduler's reservation (Scheduler.reserve_ahead): room for a step of k
+    drafts after the in-flight one accepts up to k + 1 tokens; refused, with nothing
+    allocated or preempted, when the pool is short or the in-flight step could end the
+    request by length."""
+    from onespec.engine.kv_cache import BlockPool
+    from onespec.engine.scheduler import Scheduler
+    k, bs = 3, 4
+    sched = Scheduler(BlockPool(8, bs), 64, 4, 64, True, (2,))
+    req = _running_request(sched, 10, 40, k)
+    assert sched.reserve_ahead(req, k)
+    # positions up to num_computed + (k + 1) + max(k + 1, 2k) - 1 have slots
+    assert len(req.block_table) * bs >= req.num_computed + (k + 1) + 2 * k
+    free = sched.pool.num_free_blocks
+    # too few output tokens left: the step in flight may finish the request
+    req.sampling_params = SamplingParams(max_tokens=len(req.output_token_ids) + k + 1)
+    assert not sched.reserve_ahead(req, k)
+    req.sampling_params = SamplingParams(max_tokens=40)
+    sched.max_model_len = req.num_tokens + k + 1
+    assert not sched.reserve_ahead(req, k)
+    sched.max_model_len = 64
+    # a pool too small for the next step refuses instead of preempting
+    req.num_computed += 4 * bs * free
+    assert not sched.reserve_ahead(req, k)
+    assert sched.pool.num_free_blocks == free and sched.running == [req]
+
+
+def test_postprocess_drops_rows_of_finished_requests():
+    """A step's row for a request that finished (or was aborted) while the step was in
+    flight changes nothing."""
+    from onespec.engine.kv_cache import BlockPool
+    from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+    sched = Scheduler(BlockPool(8, 4), 64, 4, 64, True, (2,))
+    req = _running_request(sched, 5, 40, 2)
+    batch = ScheduledBatch([], [req], 2)
+    sched.abort(req)
+    before = (list(req.output_token_ids), req.num_computed, vars(req.metrics).copy())
+    assert sched.postprocess(batch, StepOutput([], [[9, 10, 11]], [3], [[4, 5]])) == []
+    assert (req.output_token_ids, req.num_computed, vars(req.metrics)) == before
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks

@@ -5,6 +5,11 @@ Only generation-only, all-greedy batches replay a graph (sampling with per-reque
 generators and rejection sampling run eagerly). A batch smaller than its bucket is padded
 with requests whose block table points at a reserved scratch block, so their KV writes
 touch nothing real; their rows are dropped from the results.
+
+A step is launched (inputs copied in, graph replayed, results copied out, an event
+recorded) and collected later, so the overlap scheduler (engine.py) can launch the next
+step, its inputs chained from this one's results on the device (chain.py), before this
+one is read.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class PendingStep:
     batch: ScheduledBatch
     bucket: int
     slot: int            # which pinned input/output pair it uses
+
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

@@ -225,7 +225,3 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         self.bufs[k]["dev"][o_src:end] = -1
         return self.graphs[key]
-
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """launch + collect."""
-        return self.collect(self.launch(batch))

@@ -256,7 +256,7 @@ class Engine:
             return None
         k = self.draft_len_fn(sched.num_candidates)
         batch = ScheduledBatch([], list(reqs), k)
-        if not self.runner.graphs.can_chain(current, batch):
+        if not self.runner.can_follow(current, batch):
             return None
         if not all(sched.reserve_ahead(r, k) for r in reqs):
             return None

@@ -62,6 +62,10 @@ class ModelRunner:
         """Whether the batch runs as a graph step that can be launched and collected later."""
         return self.graphs is not None and self.graphs.can_run(batch)
 
+    def can_follow(self, after: PendingStep, batch: ScheduledBatch) -> bool:
+        """Whether `batch` can be launched chained to `after` (launch)."""
+        return self.graphs.can_chain(after, batch)
+
     def launch(self, batch: ScheduledBatch, after: PendingStep | None = None) -> PendingStep:
         """Enqueues a graph step (can_launch) without waiting for it. `after`: a launched
         step not yet collected whose requests `batch` continues, row for row (the overlap

@@ -35,8 +35,8 @@ class ModelRunner:
         self.sliding_window = sliding_window
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.collect(self.graphs.launch(batch))
+        if self.can_launch(batch):
+            return self.collect(self.launch(batch))
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k

@@ -240,8 +240,9 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
             eng.abort(r.request_id)
         reqs[:] = [eng.add_request(p, SamplingParams(max_tokens=4000, ignore_eos=True))
                    for p in prompts]
-        if recapture:
+        if recapture:     # into a fresh pool (re-capturing into a released one asserts)
             graphs.graphs.clear()
+            graphs.pool = torch.cuda.graph_pool_handle()
         for _ in range(4):
             eng.step()
 

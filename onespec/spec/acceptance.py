@@ -33,6 +33,8 @@ def strict_accept(draft_tokens: Tensor,   # [B, K] int64
     drafts [1,3,4], targets [1,3,2,4] -> accepted [1,3,2], num_accepted 3.
     """
     k = draft_tokens.shape[1]
+    if k == 0:           # plain decoding: one kernel, not a comparison of empty rows
+        return target_tokens, target_tokens.new_ones(target_tokens.shape[0])
     num_accepted = 1 + _num_leading_true(draft_tokens == target_tokens[:, :k])
     return target_tokens, num_accepted
 
@@ -101,6 +103,6 @@ def forced_num_accepted(acceptance_length: float, num_requests: int, k: int, ste
         frac = acceptance_length - whole
         n = whole + (_forced_pool(device) < frac).long()
         _forced_counts[key] = n.clamp(min=1, max=k + 1)
-    idx = (step * FORCED_POOL_STRIDE + torch.arange(num_requests, device=device)) \
-        % FORCED_POOL_SIZE
+    idx = torch.arange(num_requests, device=device).add_(step, alpha=FORCED_POOL_STRIDE) \
+        .remainder_(FORCED_POOL_SIZE)
     return _forced_counts[key][idx]

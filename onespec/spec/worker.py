@@ -86,15 +86,19 @@ class SpecWorker:
             sampled = self.target.greedy_tokens(rows) if st.all_greedy else \
                 sample(self.target.compute_logits(rows), st, self.generator)          # [R]
             tokens = sampled[:bc]
-            accepted, num_accepted = strict_accept(inp.draft_tokens,
-                                                   sampled[bc:].view(bg, k + 1))
-        if self.force_acceptance_length is not None and bg:
+            accepted, num_accepted = sampled[bc:].view(bg, k + 1), None
+            if not self._forcing(bg):       # (a forced count needs no comparison)
+                accepted, num_accepted = strict_accept(inp.draft_tokens, accepted)
+        if self._forcing(bg):
             if self.step_counter is None:
                 self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
             self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
                                                self.step_counter, rows.device)
         return tokens, accepted, num_accepted
+
+    def _forcing(self, num_gen: int) -> bool:
+        return self.force_acceptance_length is not None and num_gen > 0
 
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
@@ -105,11 +109,13 @@ class SpecWorker:
         if self.drafter is None:
             return empty, None
         # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
-        ids = inp.shift_ids.clone()
         if inp.num_ctx:
+            ids = inp.shift_ids.clone()
             ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
                                                  ids[inp.ctx_last_rows])
-        ids[inp.gen_start:] = accepted.reshape(-1)
+            ids[inp.gen_start:] = accepted.reshape(-1)
+        else:       # generation rows only: their inputs are the accepted tokens as they are
+            ids = accepted.reshape(-1)
         h = self.drafter.initial_hidden(captured, hidden)
         h = self.drafter.forward(ids, inp.positions, h, inp.meta)              # [T, H]
         if k == 0:

@@ -34,9 +34,10 @@ def _gdc_launch():
 @gluon.jit
 def _ring_gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      PDL: gl.constexpr):
+                      PDL: gl.constexpr, EARLY: gl.constexpr):
     pid = gl.program_id(0)
-    w_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    w_load: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    x_load: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
                                                   instr_shape=[16, 8])
@@ -55,33 +56,46 @@ def _ring_gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             mask=n_ok[:, None] & (s * BLOCK_K + rk < K)[None, :])
         async_copy.commit_group()
     if PDL:
+        if EARLY:     # the next kernel may start (and fill its own ring) right away
+            _gdc_launch()
         _gdc_wait()
-    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_op))
-    xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_op))
+    # x tiles through their own ring, like the weight's: the first STAGES as one group
+    # after the wait, then one per iteration together with the weight tile refilled
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, BLOCK_K], smem)
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_load))
+    xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_load))
     x_ptrs = X + xm[:, None] * stride_xm + xk[None, :]
     x_rows = (xm < M)[:, None]
-    # x two tiles ahead in registers
-    x0 = gl.load(x_ptrs, mask=x_rows & (xk < K)[None, :], other=0.0)
-    x1 = gl.load(x_ptrs + BLOCK_K, mask=x_rows & (BLOCK_K + xk < K)[None, :], other=0.0)
+    for s in gl.static_range(STAGES):
+        async_copy.async_copy_global_to_shared(
+            x_ring.index(s), x_ptrs + s * BLOCK_K,
+            mask=x_rows & (s * BLOCK_K + xk < K)[None, :])
+    async_copy.commit_group()
     acc = gl.zeros([16, BLOCK_N], gl.float32, mma)
     for i in range(num_k):
-        # tile i landed (tiles >= STAGES are group tile + 1: one refill per iteration)
-        async_copy.wait_group(STAGES - 2)
+        # groups: weight tiles 0..STAGES-1, the x tiles 0..STAGES-1, then (w, x) of tile
+        # i - 1 + STAGES at iteration i >= 1; at i == 0 everything issued so far is waited
+        # for, after that tile i's group is at most STAGES - 2 groups back
+        if i == 0:
+            async_copy.wait_group(0)
+        else:
+            async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()      # copies visible; slot (i - 1) % STAGES read by everyone
         refill = i - 1 + STAGES
         if i > 0:      # (a masked-off cp.async would write zeros over the slot's tile)
+            slot = (i + STAGES - 1) % STAGES
             async_copy.async_copy_global_to_shared(
-                ring.index((i + STAGES - 1) % STAGES), w_ptrs + refill * BLOCK_K,
+                ring.index(slot), w_ptrs + refill * BLOCK_K,
                 mask=n_ok[:, None] & (refill * BLOCK_K + rk < K)[None, :])
+            async_copy.async_copy_global_to_shared(
+                x_ring.index(slot), x_ptrs + refill * BLOCK_K,
+                mask=x_rows & (refill * BLOCK_K + xk < K)[None, :])
         async_copy.commit_group()
-        x2 = gl.load(x_ptrs + (i + 2) * BLOCK_K,
-                     mask=x_rows & ((i + 2) * BLOCK_K + xk < K)[None, :], other=0.0)
         w = ring.index(i % STAGES).permute([1, 0]).load(b_op)             # [BLOCK_K, BLOCK_N]
-        acc = mma_v2(x0, w, acc)
-        x0 = x1
-        x1 = x2
+        x = x_ring.index(i % STAGES).load(a_op)                           # [16, BLOCK_K]
+        acc = mma_v2(x, w, acc)
     async_copy.wait_group(0)
-    if PDL:
+    if PDL and not EARLY:
         _gdc_launch()
     ym = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     yn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -90,14 +104,14 @@ def _ring_gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 def ring_gemv(x: torch.Tensor, w: torch.Tensor, stages: int, block_n: int = 32,
-              block_k: int = 256) -> torch.Tensor:
+              block_k: int = 256, early: bool = False) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = torch.cuda.get_device_capability(x.device)[0] >= 9
     _ring_gemv_kernel[(triton_cdiv(n, block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, EARLY=early, num_warps=4,
         **({"launch_pdl": True} if pdl else {}))
     return y
 
@@ -111,7 +125,7 @@ def compile_only(stages: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = _ring_gemv_kernel
-    cons = {"BLOCK_N": 32, "BLOCK_K": 256, "STAGES": stages, "PDL": True}
+    cons = {"BLOCK_N": 32, "BLOCK_K": 256, "STAGES": stages, "PDL": True, "EARLY": False}
     sig = {n: "constexpr" if n in cons else ("*bf16" if n in ("X", "W", "Y") else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -176,7 +190,9 @@ def main():
         return run
 
     variants = [("triton small_linear", lambda h, w: small_linear(h, w))]
-    variants += [(f"ring {s} stages", lambda h, w, s=s: ring_gemv(h, w, s)) for s in stages]
+    variants += [(f"ring {s} stages{' early release' if e else ''}",
+                  lambda h, w, s=s, e=e: ring_gemv(h, w, s, early=e))
+                 for s in stages for e in (False, True)]
     for name, gemv in variants * 2:
         run = chain(gemv)
         for _ in range(2):

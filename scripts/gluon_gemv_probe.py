@@ -1,12 +1,14 @@
 """Experiment: a GEMV whose weight ring (shared memory, cp.async) is filled before its PDL
 wait, against onespec's Triton small_linear, in a CUDA graph of chained projections.
 
-    python scripts/gluon_gemv_probe.py [--layers 8] [--stages 6] [--compile-only]
+    python scripts/gluon_gemv_probe.py [--layers 8] [--stages 3,4] [--compile-only]
 
 Question it answers: does keeping weight loads in flight across the kernel boundary (up to
 STAGES tiles per program issued before griddepcontrol.wait) shorten a chain of decode
 GEMVs (o_proj, gate_up, down, qkv of the 8B shape, one row) towards its bandwidth floor?
 Prints one JSON line per variant: µs per layer and the floor. Not used by the engine.
+On the H200 (docs/PERFORMANCE.md, 2h): no — 121.5 µs a layer at 3 stages against
+small_linear's 120.0, and slower still when the next kernel is released early.
 """
 from __future__ import annotations
 
@@ -109,15 +111,11 @@ def ring_gemv(x: torch.Tensor, w: torch.Tensor, stages: int, block_n: int = 32,
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = torch.cuda.get_device_capability(x.device)[0] >= 9
-    _ring_gemv_kernel[(triton_cdiv(n, block_n),)](
+    _ring_gemv_kernel[(-(-n // block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, EARLY=early, num_warps=4,
         **({"launch_pdl": True} if pdl else {}))
     return y
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def compile_only(stages: int):

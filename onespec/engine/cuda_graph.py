@@ -70,7 +70,7 @@ class CudaGraphRunner:
         pinned pair, recorded when the step that uses it has copied its results out."""
         if k not in self.bufs:
             size = self._layout(self.buckets[-1], k)[-1]
-            out = self.buckets[-1] * (2 * k + 2)
+            out = self._results_size(self.buckets[-1], k)
             self.bufs[k] = {
                 "host": [torch.zeros(size, dtype=torch.int64, pin_memory=True)
                          for _ in range(2)],
@@ -88,6 +88,12 @@ class CudaGraphRunner:
         o_tables = 2 * rows + b * k
         o_src = o_tables + b * self.width
         return 0, rows, 2 * rows, o_tables, o_src, o_src + b
+
+    @staticmethod
+    def _results_size(b: int, k: int) -> int:
+        """Length of a step's results for bucket b: accepted rows [b, k+1], accepted counts
+        [b], next drafts [b, k] (chain.py reads them in this order)."""
+        return b * (2 * k + 2)
 
     def _step(self, b: int, k: int):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
@@ -195,7 +201,7 @@ class CudaGraphRunner:
         self._fill_inputs(reqs, b, k, buf["host"][slot], chained)
         buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
         self.graphs[key].replay()
-        size = b * (2 * k + 2)
+        size = self._results_size(b, k)
         buf["out"][slot][:size].copy_(buf["prev"][:size], non_blocking=True)
         event.record()
         self.num_replays += 1
@@ -209,7 +215,7 @@ class CudaGraphRunner:
         buf = self._buffers(k)
         buf["events"][step.slot].synchronize()          # the step's one sync
         rows = b * (k + 1)
-        flat = buf["out"][step.slot][:b * (2 * k + 2)].tolist()
+        flat = buf["out"][step.slot][:self._results_size(b, k)].tolist()
         accepted = [flat[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
         num_acc = flat[rows:rows + n]
         base = rows + b

@@ -24,8 +24,6 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    if type(fn).__name__ == "GluonJITFunction":
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -42,7 +40,6 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
 
 
 def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
-    from onespec.layers import gluon_linear
     from onespec.layers import triton_attention as ta
     from onespec.layers import triton_linear as tl_
     pdl = arch >= 90
@@ -74,12 +71,6 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                tl_._small_linear_kernel, ptrs,
                {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
                 "RESIDUAL": not gated}, (warps, stages))
-    if arch >= 90 and gluon_linear.available():
-        yield ("ring_linear residual+norm_out (o_proj after attention)",
-               gluon_linear._ring_linear_kernel, ptrs,
-               {"BLOCK_N": gluon_linear.BLOCK_N, "BLOCK_K": gluon_linear.BLOCK_K,
-                "STAGES": gluon_linear.STAGES, "NORM_OUT": True, "PDL": pdl},
-               (gluon_linear.WARPS, 1))
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
@@ -106,7 +97,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "EARLY": ta.EARLY_RELEASE}
+            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     yield ("attention bf16 decode (split keys, 4-row verify packs)",

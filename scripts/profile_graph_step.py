@@ -18,8 +18,7 @@ bench/decode.py), prints one JSON line per mode:
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
     linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
-    attn=BLOCK_N:warps:stages[:splits], ring=N (the o_proj weight ring's tiles; 0: off),
-    early=0|1 (attention releases o_proj at its start); '+' joins knobs into one variant.
+    attn=BLOCK_N:warps:stages[:splits]; '+' joins knobs into one variant.
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations
@@ -37,7 +36,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
-from onespec.layers import gluon_linear
 from onespec.layers import triton_attention as ta
 from onespec.layers import triton_linear as tlin
 from onespec.bench_cli import build_llm, set_draft, write_model_dirs
@@ -200,8 +198,7 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
 
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
-    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             ta.EARLY_RELEASE, gluon_linear.STAGES)
+    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS))
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -209,10 +206,6 @@ def apply_variant(spec: str):
         elif name == "linear":
             n, k, gated, *cfg = (int(x) for x in value.split(":"))
             tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
-        elif name == "ring":
-            gluon_linear.STAGES = int(value)
-        elif name == "early":
-            ta.EARLY_RELEASE = value == "1"
         elif name == "attn":
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
@@ -222,7 +215,6 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        ta.EARLY_RELEASE, gluon_linear.STAGES = saved[4:]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

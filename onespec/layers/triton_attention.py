@@ -19,14 +19,9 @@ the batch or its pack.
 Under programmatic dependent launch the kernel starts while the rotary kernel before it
 writes this step's keys; when the rows per request are known, the only keys that kernel
 writes are at the rows' own positions, so the first tile's older keys (and the positions
-and block tables, inputs of the step) are read before waiting for it. When its programs
-fit in one wave, it lets its successor (o_proj) launch at its very start, so that
-projection streams weights into shared memory (layers/gluon_linear.py) while attention
-runs.
+and block tables, inputs of the step) are read before waiting for it.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -39,14 +34,8 @@ MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split 
 SPLITS = 16
 SPLIT_BLOCK_N = 64
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
-EARLY_RELEASE = True    # one wave of programs: let the projection after it launch at once
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ticket_counters(device, n: int) -> torch.Tensor:
@@ -104,15 +93,6 @@ def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _wait(PDL: tl.constexpr, RELEASED: tl.constexpr):
-    if RELEASED:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-    else:
-        pdl_start(PDL)
-
-
-@triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
@@ -120,13 +100,9 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
-        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    if PDL and EARLY:
-        # the projection after attention fills its weight ring while this kernel runs
-        # (its programs fit beside this grid's on every SM, so they take no SM from it)
-        tl.extra.cuda.gdc_launch_dependents()
+        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if RPR == 0:
-        _wait(PDL, EARLY)    # nothing known about the rows: wait for the previous kernel
+        pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,7 +137,7 @@ def _paged_attention_kernel(
         old, new = kv_mask & (is_mine == 0)[:, None], kv_mask & (is_mine != 0)[:, None]
         k = tl.load(K_CACHE + kv_off, mask=old, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=old, other=0.0)
-        _wait(PDL, EARLY)
+        pdl_start(PDL)
         k = tl.load(K_CACHE + kv_off, mask=new, other=k)
         v = tl.load(V_CACHE + kv_off, mask=new, other=v)
     else:
@@ -288,6 +264,5 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, EARLY=pdl and EARLY_RELEASE and units * splits <= _sm_count(q.device),
-        num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return out

@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers import gluon_linear
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
@@ -291,7 +289,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                  norm_out: tuple[torch.Tensor, float] | None = None,
                  out_dtype: torch.dtype | None = None, argmax: bool = False,
                  argmax_offsets: torch.Tensor | None = None,
-                 config: tuple[int, int, int, int] | None = None, ring: bool = False):
+                 config: tuple[int, int, int, int] | None = None):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
 
     x may be a Prenormed (the RMSNorm of its producer). norm_out=(weight, eps), with a
@@ -299,10 +297,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
-    the number of weight tiles loaded before waiting for the previous kernel.
-    ring: the predecessor leaves the memory idle (attention): on Hopper, 16-bit weights, a
-    residual and no bias, the weight streams into gluon_linear's shared-memory ring before
-    the wait instead (config is then ignored)."""
+    the number of weight tiles loaded before waiting for the previous kernel."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -319,11 +314,6 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    ring = ring and residual is not None and bias is None and not gated and pre is None \
-        and not argmax and norm_weight is None and _hopper(x.device) and \
-        gluon_linear.supports(x, weight)
-    if ring:
-        config = (gluon_linear.BLOCK_N, gluon_linear.BLOCK_K, gluon_linear.WARPS, 1)
     block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
         _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device))
     preload = preload[0] if preload else 1
@@ -346,10 +336,6 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     res = residual if residual is not None else out
     ss_in = pre.ss if pre else out
     pdl = pdl_supported(x.device)
-    if ring:
-        gluon_linear.ring_linear(x, weight, residual, out, pdl,
-                                 (norm_out[0], nxt.x, nxt.ss) if nxt else None)
-        return out if nxt is None else (out, nxt)
     _small_linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, res, out, ss_in,
         norm_out[0] if nxt else weight, nxt.x if nxt else out, nxt.ss if nxt else out,

@@ -111,7 +111,7 @@ class Eagle3Layer(nn.Module):
         qkv = small_linear(a, attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = attn.attend(qkv, positions, rotary, meta, fast=True)
         h, pre = small_linear(out, attn.o_proj.weight, residual=residual,
-                              norm_out=(post.weight, post.eps), ring=True)
+                              norm_out=(post.weight, post.eps))
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
         return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 

@@ -180,7 +180,7 @@ class DecoderLayer(nn.Module):
             qkv = small_linear(pre, attn.qkv_proj.weight, attn.qkv_proj.bias)
         out = attn.attend(qkv, positions, rotary, meta, fast=True)
         h, pre = small_linear(out, attn.o_proj.weight, residual=h,
-                              norm_out=(norm2.weight, norm2.eps), ring=True)
+                              norm_out=(norm2.weight, norm2.eps))
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
         if next_norm is None:
             return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h), None

@@ -71,6 +71,13 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                tl_._small_linear_kernel, ptrs,
                {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
                 "RESIDUAL": not gated}, (warps, stages))
+    qkv_cfg = tl_._config(6144, 4096, False)
+    yield ("qkv + rotary + KV write (prenormed)", tl_._qkv_rope_kernel,
+           {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "BLOCK_TABLES": "*i64",
+            "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"},
+           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
+            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
+            "PRENORMED": True, "IEEE": False, "PDL": pdl}, qkv_cfg[2:])
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},

@@ -18,7 +18,8 @@ bench/decode.py), prints one JSON line per mode:
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
     linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
-    attn=BLOCK_N:warps:stages[:splits]; '+' joins knobs into one variant.
+    attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
+    write as its epilogue); '+' joins knobs into one variant.
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations
@@ -198,7 +199,8 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
 
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
-    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS))
+    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
+             tlin.FUSED_ROPE)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -206,6 +208,8 @@ def apply_variant(spec: str):
         elif name == "linear":
             n, k, gated, *cfg = (int(x) for x in value.split(":"))
             tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
+        elif name == "fused_rope":
+            tlin.FUSED_ROPE = value == "1"
         elif name == "attn":
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
@@ -215,6 +219,7 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
+        tlin.FUSED_ROPE = saved[4]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

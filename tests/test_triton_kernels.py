@@ -223,6 +223,47 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
     assert torch.equal(caches[1], vc_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rows,norm,bias", [(16, 5, "prenormed", True),
+                                                     (128, 1, "prenormed", False),
+                                                     (64, 16, "weight", False),
+                                                     (128, 3, None, True)])
+@torch.inference_mode()
+def test_qkv_rope_and_cache_equals_its_two_kernels(dtype, head_dim, rows, norm, bias):
+    """The qkv GEMV with rotary and the KV write as its epilogue gives exactly what
+    small_linear followed by rope_and_cache gives: q, and the cache rows it writes (and no
+    others)."""
+    from onespec.layers.triton_linear import qkv_rope_and_cache, qkv_rope_fusable
+    heads, kv_heads, hidden, slots = 4, 2, 96, 128
+    lin, norm_mod = linear_parts(hidden, (heads + 2 * kv_heads) * head_dim, False, bias,
+                                 dtype, seed=5)
+    rotary = RotaryEmbedding(head_dim, 200, 10000.0, {"rope_type": "default"}, DEV)
+    x = torch.randn(rows, hidden, device=DEV).to(dtype)
+    h = torch.randn(rows, hidden, device=DEV).to(dtype)
+    if norm == "prenormed":       # the norm begun by a residual GEMV before (as in a layer)
+        res, _ = linear_parts(hidden, hidden, False, False, dtype, seed=6)
+        _, x = small_linear(x, res.weight, residual=h, norm_out=(norm_mod.weight, 1e-5))
+    kw = {"norm_weight": norm_mod.weight, "eps": 1e-5} if norm == "weight" else {}
+    positions = torch.randint(0, 64, (rows,), device=DEV)      # 8 blocks of 8 a request
+    tables = torch.randperm(slots // 8, device=DEV).view(2, -1)
+    token_req = torch.randint(0, 2, (rows,), device=DEV)
+    assert qkv_rope_fusable(x, lin.weight, head_dim, False)
+    assert not qkv_rope_fusable(x, lin.weight, head_dim, True)      # q/k norm: whole heads
+    outs = []
+    for fused in (False, True):
+        caches = [torch.randn(slots, kv_heads, head_dim, device=DEV,
+                              generator=torch.Generator(DEV).manual_seed(c)).to(dtype)
+                  for c in range(2)]
+        args = (positions, rotary.cos_sin, tables, token_req, 8, *caches, heads, kv_heads)
+        if fused:
+            q = qkv_rope_and_cache(x, lin.weight, lin.bias, *args, **kw)
+        else:
+            q = rope_and_cache(small_linear(x, lin.weight, lin.bias, **kw), *args)
+        outs.append((q, *caches))
+    for got, ref in zip(outs[1], outs[0]):
+        assert torch.equal(got, ref)
+
+
 def _attention_case(dtype, heads, kv_heads, head_dim, q_lens, starts, seed=0):
     """Caches of 4-slot blocks, queries of requests with q_lens rows at positions starts.."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -377,7 +418,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 15
+    assert len(rows) == 16
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents
@@ -386,3 +427,5 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert by_name["attention bf16 decode (split keys, 1 row per request)"][
         "global_loads_before_wait"] > 0
     assert by_name["attention bf16 prefill"]["global_loads_before_wait"] == 0
+    # the fused qkv reads positions, slots and cos/sin before the wait
+    assert by_name["qkv + rotary + KV write (prenormed)"]["global_loads_before_wait"] > 8

@@ -14,6 +14,10 @@ between two weight streams is time the memory sits idle. The kernels here:
 - `rope_and_cache`: splits a fused qkv projection into heads, applies the optional per-head
   q/k RMSNorm (Qwen3) and rotary embedding, writes k and v into the paged cache (at the
   slot it looks up in the block table) and returns the rotated queries.
+- `qkv_rope_and_cache`: the two above as one kernel where no per-head norm is needed: each
+  program streams the weight rows of both halves of its rotary pairs (j and HALF + j of
+  one head), so the rotation and the cache writes are its epilogue (one launch and one
+  kernel boundary fewer per layer; the same arithmetic, so the same results).
 
 On Hopper and newer every kernel is launched with programmatic dependent launch: it may
 start while its predecessor finishes (a linear layer begins streaming its first weight
@@ -35,6 +39,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
+FUSED_ROPE = True    # qkv_rope_and_cache: the qkv GEMV writes rotated heads and the KV cache
 
 
 @triton.jit
@@ -61,22 +66,13 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _small_linear_kernel(
-        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
-        M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
-        stride_xn_out, stride_ss_out, stride_arg, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
-        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-        PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
-    # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
-    # the same instructions; the loop's loads are software-pipelined (num_stages).
-    pid = tl.program_id(0)
-    m = tl.arange(0, 16)
-    m_ok = m < M
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w_rows = W + n[:, None].to(tl.int64) * stride_wn
+def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+                 GATED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """x @ W[rows].T for one program's BLOCK_N weight rows (w_rows: their pointers, any
+    rows; with GATED also the rows N further), rows of x padded to 16: (acc, acc_up)
+    [16, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
+    releases the next one after the stream."""
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
     # dependent launch they stream while that kernel finishes.
     kp = tl.arange(0, PRE * BLOCK_K)
@@ -109,12 +105,39 @@ def _small_linear_kernel(
         # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
         # vs 4.50 ms, docs/PERFORMANCE.md)
         tl.extra.cuda.gdc_launch_dependents()
+    return acc, acc_up
+
+
+@triton.jit
+def _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P: tl.constexpr):
+    """X held x * norm_weight; the producer left per-row partial sums of x^2: 1/rms [16]."""
+    p = tl.arange(0, BLOCK_P)
+    parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
+                    mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, 1) / K + eps)
+
+
+@triton.jit
+def _small_linear_kernel(
+        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
+        M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
+        stride_xn_out, stride_ss_out, stride_arg, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
+        IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
+    # the same instructions; the loop's loads are software-pipelined (num_stages).
+    pid = tl.program_id(0)
+    m = tl.arange(0, 16)
+    m_ok = m < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
+                               stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
+                               PDL)
     if PRENORMED:
-        # X held x * norm_weight; the producer left per-row partial sums of x^2: apply 1/rms
-        p = tl.arange(0, BLOCK_P)
-        parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
-                        mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(parts, 1) / K + eps)                      # [16]
+        rstd = _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
     y = acc
@@ -430,4 +453,118 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         BLOCK_SIZE=block_size, QK_NORM=qk_norm, PDL=pdl, num_warps=1, **pdl_launch(pdl))
+    return q
+
+
+@triton.jit
+def _qkv_rope_kernel(
+        X, W, BIAS, SS_IN, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_OUT, K_CACHE,
+        V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
+        stride_qh, stride_ct, stride_ch, stride_bt, eps,
+        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        PAIRS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRE: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PRENORMED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Program = (head, PAIRS rotary pairs of it): its weight rows are j and HALF + j for the
+    # pairs' j, so both halves of each pair land in its own tile and the rotation, and the
+    # stores rope_and_cache would make, are its epilogue.
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = HALF // PAIRS
+    head = pid // per_head
+    j = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)                  # [PAIRS]
+    c = tl.arange(0, 2 * PAIRS)
+    n = head * 2 * HALF + (pid % per_head) * PAIRS + c % PAIRS + (c // PAIRS) * HALF
+    m = tl.arange(0, 16)
+    m_ok = m < M
+    # this step's positions, cache slots and cos/sin: inputs, so read before the wait
+    pos = tl.load(POSITIONS + m, mask=m_ok, other=0)
+    req = tl.load(TOKEN_REQ + m, mask=m_ok, other=0)
+    block = tl.load(BLOCK_TABLES + req * stride_bt + pos // BLOCK_SIZE, mask=m_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    cs = COS_SIN + pos[:, None] * stride_cs + j[None, :]
+    cos = tl.load(cs, mask=m_ok[:, None], other=0.0)
+    sin = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
+    acc, _ = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n >= 0, m, m_ok, K,
+                          stride_xm, stride_wn, 0, 2 * PAIRS, BLOCK_K, PRE, False, IEEE, PDL)
+    if PRENORMED:
+        acc = acc * _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + n).to(tl.float32)[None, :]
+    dt = Q_OUT.dtype.element_ty
+    # the projection rounded as small_linear stores it, then rope_and_cache's arithmetic
+    y = acc.to(dt).to(tl.float32)
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [16, 2, PAIRS]), [0, 2, 1]))  # [16, PAIRS]
+    mask = m_ok[:, None] & (j < HALF)[None, :]
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+    else:
+        o1, o2 = x1, x2
+    if head < NUM_Q_HEADS:
+        out = Q_OUT + m[:, None] * stride_qt + head * stride_qh + j[None, :]
+        tl.store(out, o1.to(dt), mask=mask)
+        tl.store(out + HALF, o2.to(dt), mask=mask)
+    else:
+        kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS
+        dst = slot[:, None] * stride_ct + kv_head * stride_ch + j[None, :]
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            tl.store(K_CACHE + dst, o1.to(K_CACHE.dtype.element_ty), mask=mask)
+            tl.store(K_CACHE + dst + HALF, o2.to(K_CACHE.dtype.element_ty), mask=mask)
+        else:
+            tl.store(V_CACHE + dst, o1.to(V_CACHE.dtype.element_ty), mask=mask)
+            tl.store(V_CACHE + dst + HALF, o2.to(V_CACHE.dtype.element_ty), mask=mask)
+
+
+def qkv_rope_fusable(x: torch.Tensor | Prenormed, weight: torch.Tensor, head_dim: int,
+                     qk_norm: bool) -> bool:
+    """Whether qkv_rope_and_cache takes this projection: FUSED_ROPE on, at most MAX_ROWS
+    rows, no per-head q/k norm (it needs the whole head), a power-of-two half head >= 8."""
+    half = head_dim // 2
+    rows = (x.x if isinstance(x, Prenormed) else x).shape[0]
+    return FUSED_ROPE and not qk_norm and head_dim % 2 == 0 and half >= 8 and \
+        half & (half - 1) == 0 and rows <= MAX_ROWS and weight.shape[0] % head_dim == 0
+
+
+def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
+                       bias: torch.Tensor | None, positions: torch.Tensor,
+                       cos_sin: torch.Tensor, block_tables: torch.Tensor,
+                       token_req: torch.Tensor, block_size: int, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, *,
+                       norm_weight: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> torch.Tensor:
+    """small_linear(x, weight, bias) followed by rope_and_cache, as one kernel (see
+    qkv_rope_fusable): rotated q [M, Hq, D] returned, k and v written to the cache. The
+    same arithmetic as the two kernels, so the same results."""
+    pre = x if isinstance(x, Prenormed) else None
+    x = pre.x if pre else x
+    if norm_weight is not None:
+        x = rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm_weight, eps)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    head_dim = k_cache.shape[-1]
+    half = head_dim // 2
+    if weight.shape != ((num_heads + 2 * num_kv_heads) * head_dim, k) or m > MAX_ROWS:
+        raise ValueError(f"qkv_rope_and_cache: x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)} do not make {num_heads} + 2 x {num_kv_heads} "
+                         f"heads of {head_dim} from at most {MAX_ROWS} rows")
+    q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return q
+    pairs = min(16, half)
+    _, block_k, warps, stages, *_ = CONFIGS.get((weight.shape[0], k, False)) or \
+        _config(weight.shape[0], k, False)
+    pdl = pdl_supported(x.device)
+    ss_in = pre.ss if pre else x
+    _qkv_rope_kernel[(weight.shape[0] // (2 * pairs),)](
+        x, weight, bias if bias is not None else weight, ss_in, cos_sin, positions,
+        block_tables, token_req, q, k_cache, v_cache, m, k, pre.ss.shape[1] if pre else 0,
+        x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        pre.eps if pre else eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, PAIRS=pairs,
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=1,
+        BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
+        HAS_BIAS=bias is not None, PRENORMED=pre is not None,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return q

@@ -108,8 +108,7 @@ class Eagle3Layer(nn.Module):
         (which applies 1/rms), as DecoderLayer.forward_decode does."""
         from onespec.layers.triton_linear import small_linear
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        qkv = small_linear(a, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        out = attn.attend(qkv, positions, rotary, meta, fast=True)
+        out = attn.attend_decode(a, positions, rotary, meta)
         h, pre = small_linear(out, attn.o_proj.weight, residual=residual,
                               norm_out=(post.weight, post.eps))
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)

@@ -122,6 +122,22 @@ class Attention(nn.Module):
         out = self.attend(qkv, positions, rotary, meta, fast)
         return fused_linear(self.o_proj, out, residual=residual, fast=fast)
 
+    def attend_decode(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata,
+                      norm: RMSNorm | None = None):
+        """attend(qkv_proj(norm(x))) on the Triton decode path (x may be a Prenormed: its
+        norm begun by the kernel before). Projection, rotary and KV write are one kernel
+        where triton_linear.qkv_rope_fusable allows."""
+        from onespec.layers import triton_linear as tlin
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        nw = {} if norm is None else {"norm_weight": norm.weight, "eps": norm.eps}
+        if rotary.fused_ok and tlin.qkv_rope_fusable(x, w, self.head_dim, self.qk_norm):
+            q = tlin.qkv_rope_and_cache(x, w, b, positions, rotary.cos_sin, meta.block_tables,
+                                        meta.token_req, meta.block_size, self.k_cache,
+                                        self.v_cache, self.num_heads, self.num_kv_heads, **nw)
+            out = cached_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            return out.reshape(-1, self.q_size)
+        return self.attend(tlin.small_linear(x, w, b, **nw), positions, rotary, meta, True)
+
     def attend(self, qkv, positions, rotary: RotaryEmbedding, meta: AttentionMetadata,
                fast: bool = False):
         """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]; writes this step's KV."""
@@ -173,12 +189,8 @@ class DecoderLayer(nn.Module):
         from onespec.layers.triton_linear import small_linear
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if pre is None:
-            qkv = small_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                               norm_weight=norm1.weight, eps=norm1.eps)
-        else:
-            qkv = small_linear(pre, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        out = attn.attend(qkv, positions, rotary, meta, fast=True)
+        out = attn.attend_decode(h if pre is None else pre, positions, rotary, meta,
+                                 norm1 if pre is None else None)
         h, pre = small_linear(out, attn.o_proj.weight, residual=h,
                               norm_out=(norm2.weight, norm2.eps))
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)

@@ -494,7 +494,7 @@ def _qkv_rope_kernel(
     # the projection rounded as small_linear stores it, then rope_and_cache's arithmetic
     y = acc.to(dt).to(tl.float32)
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [16, 2, PAIRS]), [0, 2, 1]))  # [16, PAIRS]
-    mask = m_ok[:, None] & (j < HALF)[None, :]
+    mask = m_ok[:, None]
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
@@ -537,9 +537,9 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     same arithmetic as the two kernels, so the same results."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
-    if norm_weight is not None:
-        x = rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm_weight, eps)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
     m, k = x.shape
     head_dim = k_cache.shape[-1]
     half = head_dim // 2

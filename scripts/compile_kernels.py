@@ -24,6 +24,11 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    if "TRACING" in fn.arg_names:       # the profiling stamps off, as the engine runs
+        constexprs = {"TRACING": False, **constexprs}
+    if "REL" in fn.arg_names:
+        constexprs = {"REL": 0, **constexprs}
+        types = {"TR": "*i64", **types}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -78,6 +83,10 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
             "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
             "PRENORMED": True, "IEEE": False, "PDL": pdl}, qkv_cfg[2:])
+    yield ("small_linear plain, stamped (profiling)", tl_._small_linear_kernel,
+           {**ptrs, "TR": "*i64"},
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "TRACING": True},
+           plain_cfg[2:])
     yield ("argmax reduce", tl_._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, each part optional (results in $OUT):
 #   TESTS=1      the CUDA tests first (TEST_FILES, TEST_K, TESTS_S)
-#   VARIANTS=..  graph-replay sweep of kernel variants (scripts/profile_graph_step.py)
+#   VARIANTS=..  graph-replay sweep of kernel variants (scripts/profile_graph_step.py;
+#                PROFILE=1 runs it without variants, PROFILE_ARGS appended, e.g. --trace)
 #   AB=auto|v,w  the plain batch-1 benchmark of variants in alternating processes
 #   BENCH=1      bench/decode.py at batch 1 and 32, K 0 and 3 (BENCH_ARGS appended)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -10,9 +11,9 @@ ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-280} python -m pytest ${TEST_FILES:-
   > $OUT/cuda_tests.log 2>&1
 tail -4 $OUT/cuda_tests.log
 fi
-if [ -n "$VARIANTS" ]; then
+if [ -n "$VARIANTS" ] || [ "${PROFILE:-0}" = 1 ]; then
 timeout ${PROFILE_S:-300} python scripts/profile_graph_step.py --modes ${MODES:-plain} \
-  --variants "$VARIANTS" > $OUT/profile_graph.jsonl 2> $OUT/profile_graph.log
+  --variants "$VARIANTS" $PROFILE_ARGS > $OUT/profile_graph.jsonl 2> $OUT/profile_graph.log
 tail -2 $OUT/profile_graph.log
 python -c "
 import json
@@ -21,7 +22,9 @@ for l in open('$OUT/profile_graph.jsonl'):
     print(d['mode'], 'step', d['step_ms'], 'replay', d['replay_ms'], 'host', d['host_ms'])
     for v in d['sweep']:
         print('   ', v)
-    print('   layer', d['layer_kernels'])"
+    print('   layer', d['layer_kernels'])
+    for r in d.get('trace', []):
+        print('   ', r)"
 fi
 if [ "$AB" = auto ]; then   # the default against the sweep's fastest replay
 AB=$(python -c "

@@ -19,7 +19,11 @@ bench/decode.py), prints one JSON line per mode:
     preload=0|1 (attention reads older keys before its PDL wait),
     linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
     attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
-    write as its epilogue); '+' joins knobs into one variant.
+    write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
+    before the end of its stream); '+' joins knobs into one variant;
+  - with --trace, the programs of each kernel of a layer from stamps they write themselves
+    (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
+    percentile, median, 90th percentile and latest in µs from the layer's attention start, the median over layers 2-29).
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations
@@ -143,6 +147,17 @@ def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
     return [[n[:40], round(s - t0, 1), round(e - s, 1)] for n, s, e in ks[lo:hi + 1]]
 
 
+def traced_layer(replay, replays: int = 5) -> list[list]:
+    """layer_sequence of a few replays under the profiler (a variant's kernel timeline)."""
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    return layer_sequence(kernels_of(prof), replays)
+
+
 def host_breakdown(eng, key, steps: int = 30) -> dict:
     """Host time per step in the engine's parts (runner.collect waits for the GPU); inside
     runner.launch: filling the inputs and the replay call (the graph launch); `gpu`, the
@@ -200,7 +215,7 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             tlin.FUSED_ROPE)
+             tlin.FUSED_ROPE, tlin.RELEASE_TILES)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -210,6 +225,8 @@ def apply_variant(spec: str):
             tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
         elif name == "fused_rope":
             tlin.FUSED_ROPE = value == "1"
+        elif name == "release":
+            tlin.RELEASE_TILES = int(value)
         elif name == "attn":
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
@@ -219,7 +236,7 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        tlin.FUSED_ROPE = saved[4]
+        tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo
@@ -251,12 +268,38 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
         for _ in range(4):
             eng.step()
 
+    def stamped_layer() -> list[dict]:
+        """program_trace of one replay of the graph captured afresh with stamps on."""
+        restart(False)
+        tlin.TRACE = []
+        graphs.graphs.clear()
+        graphs.pool = torch.cuda.graph_pool_handle()
+        while key not in graphs.graphs:
+            eng.step()
+        replay = graphs.standalone(key).replay
+        replay()
+        torch.cuda.synchronize()
+        with torch.inference_mode():    # the engine made them there
+            for _, buf in tlin.TRACE:      # keep only what the replay below writes
+                buf.zero_()
+        replay()
+        torch.cuda.synchronize()
+        launches = [(n, b.cpu()) for n, b in tlin.TRACE if b[:, 0].any()]
+        tlin.TRACE = None
+        graphs.graphs.clear()          # the next capture without stamps
+        graphs.pool = torch.cuda.graph_pool_handle()
+        return program_trace(launches)
+
     sweep = []
     for variant in args.variants + (["default"] if args.variants else []):
         undo = apply_variant(variant)
         restart(True)
+        replay = graphs.standalone(key).replay
         sweep.append({"variant": variant, "step_ms": round(mean_ms(eng.step, 50), 3),
-                      "replay_ms": round(mean_ms(graphs.standalone(key).replay, 100), 3)})
+                      "replay_ms": round(mean_ms(replay, 100), 3),
+                      "layer": traced_layer(replay)})
+        if args.trace:
+            sweep[-1]["trace"] = stamped_layer()
         undo()
     restart(True)
     host = host_breakdown(eng, key)
@@ -289,8 +332,45 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
            "kernels_per_step": len(kern) // replays - len(labels),
            "phases": phase_table(kern, labels, replays),
            "layer_kernels": layer_sequence(kern, replays)}
+    if args.trace:
+        out["trace"] = stamped_layer()
     for r in reqs:
         eng.abort(r.request_id)
+    return out
+
+
+def program_trace(launches, first: int = 2, last: int = 30) -> list[dict]:
+    """The kernels of one layer from the programs' stamps (triton_linear.TRACE), each
+    stamp's earliest, 10th percentile, median, 90th percentile and latest program in us
+    from the layer's attention start, the median over layers first..last-1."""
+    launches.sort(key=lambda nb: int(nb[1][:, 0][nb[1][:, 0] > 0].min()))
+    attn = [i for i, (n, _) in enumerate(launches) if n == "attention"]
+    per_layer = []
+    for lo, hi in zip(attn[first:last], attn[first + 1:last + 1]):
+        t0 = int(launches[lo][1][:, 0][launches[lo][1][:, 0] > 0].min())
+        rows = []
+        for name, buf in launches[lo:hi + 1]:
+            row = {"kernel": name, "programs": buf.shape[0],
+                   "sms": int(buf[:, 4].unique().numel())}
+            for col, what in enumerate(("start", "waited", "worked", "end")):
+                v = buf[:, col][buf[:, col] > 0].double()
+                if v.numel():
+                    v = (v - t0) / 1e3
+                    row[what] = torch.quantile(v, torch.tensor(
+                        [0, .1, .5, .9, 1], dtype=v.dtype)).tolist()
+            rows.append(row)
+        per_layer.append(rows)
+    if not per_layer:
+        return []
+    out = []
+    for j, row in enumerate(per_layer[0]):
+        agg = dict(row)
+        for what in ("start", "waited", "worked", "end"):
+            if what in row:
+                vals = torch.tensor([layer[j][what] for layer in per_layer
+                                     if what in layer[j]])
+                agg[what] = [round(x, 2) for x in vals.median(0).values.tolist()]
+        out.append(agg)
     return out
 
 
@@ -305,6 +385,9 @@ def main():
     p.add_argument("--variants", default="",
                    help="comma-separated kernel variants to time first (see above)")
     p.add_argument("--modes", default="plain,spec", help="plain, spec or both")
+    p.add_argument("--trace", action="store_true",
+                   help="also each kernel's programs of one layer, from stamps they write "
+                        "(triton_linear.TRACE): start, end of the wait, of the main work, end")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     if not torch.cuda.is_available():

@@ -167,3 +167,28 @@ def test_overlap_scheduler_abort_in_flight(pair, k):
     again = llm.generate([PROMPTS[4]], sp)[0].outputs[0].token_ids
     assert again == hf_greedy(hf, PROMPTS[4], 24)
     assert_pool_full(llm)
+
+
+def test_kernel_stamps_are_ordered():
+    """triton_linear.TRACE (profiling): each program of a launch stamps its start, the end of
+    its wait, the end of its weight stream and its end, in that order, and its SM."""
+    from onespec.layers import triton_linear as tlin
+    torch.manual_seed(0)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    tlin.TRACE = []
+    try:
+        y = tlin.small_linear(x, w)
+        torch.cuda.synchronize()
+        launches = tlin.TRACE
+    finally:
+        tlin.TRACE = None
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.5, rtol=2e-2)
+    assert [name for name, _ in launches] == ["small_linear"]
+    stamps = launches[0][1].cpu()
+    assert stamps.shape == (256 // 32, 5)
+    assert (stamps[:, 0] > 0).all()
+    for a, b in ((0, 1), (1, 2), (2, 3)):
+        assert (stamps[:, b] >= stamps[:, a]).all(), (a, b, stamps)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((stamps[:, 4] >= 0) & (stamps[:, 4] < sms)).all()

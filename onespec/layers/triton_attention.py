@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl_supported
+from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl_supported, \
+    stamp, trace_buffer
 
 NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split their keys
@@ -95,14 +96,17 @@ def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
-        stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+        TR, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         scale, window, num_kv_heads,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
-        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        TRACING: tl.constexpr):
+    stamp(TR, 0, TRACING)
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
+        stamp(TR, 1, TRACING)
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,6 +142,7 @@ def _paged_attention_kernel(
         k = tl.load(K_CACHE + kv_off, mask=old, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=old, other=0.0)
         pdl_start(PDL)
+        stamp(TR, 1, TRACING)
         k = tl.load(K_CACHE + kv_off, mask=new, other=k)
         v = tl.load(V_CACHE + kv_off, mask=new, other=v)
     else:
@@ -157,11 +162,13 @@ def _paged_attention_kernel(
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    stamp(TR, 2, TRACING)
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)
     else:
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, t_lo, t_hi,
                       pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
+    stamp(TR, 3, TRACING)
 
 
 @triton.jit
@@ -256,13 +263,16 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         tickets = _ticket_counters(q.device, units)
     else:
         part_o = part_ml = tickets = out
-    _paged_attention_kernel[(num_rows // pack, num_kv_heads, splits)](
+    grid = (num_rows // pack, num_kv_heads, splits)
+    tr = trace_buffer("attention", grid[0] * grid[1] * grid[2], q.device)
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        tr, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or NO_WINDOW, num_kv_heads,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        PDL=pdl, TRACING=tr is not None, num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl))
     return out

@@ -40,6 +40,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
 FUSED_ROPE = True    # qkv_rope_and_cache: the qkv GEMV writes rotated heads and the KV cache
+RELEASE_TILES = 0    # a GEMV lets its successor launch this many weight tiles before its end
+# Profiling (scripts/profile_graph_step.py --trace): a list, and every launch of the kernels
+# here and in triton_attention appends (kernel name, stamps [programs, 5] int64): each
+# program's globaltimer (ns) at its start, after its wait for the previous kernel, after
+# its main work (a GEMV's weight stream), at its end, and the SM it ran on.
+TRACE: list | None = None
 
 
 @triton.jit
@@ -49,6 +55,31 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def trace_buffer(name: str, programs: int, device) -> torch.Tensor | None:
+    """A launch's stamp buffer while TRACE is on, else None. Not zeroed: a kernel launched
+    for that inside a CUDA graph would sit between two PDL kernels and serialise them."""
+    if TRACE is None:
+        return None
+    buf = torch.empty(programs, 5, dtype=torch.int64, device=device)
+    TRACE.append((name, buf))
+    return buf
+
+
+@triton.jit
+def stamp(BUF, i: tl.constexpr, ON: tl.constexpr):
+    """Profiling: this program's globaltimer into BUF[program, i] (and at i == 0 its SM)."""
+    if ON:
+        pid = tl.program_id(0) + tl.num_programs(0) * (
+            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(BUF + pid * 5 + i, now)
+        if i == 0:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                           is_pure=False, pack=1)
+            tl.store(BUF + pid * 5 + 4, sm.to(tl.int64))
 
 
 @triton.jit
@@ -68,7 +99,8 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
-                 GATED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                 GATED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TR,
+                 TRACING: tl.constexpr, REL: tl.constexpr):
     """x @ W[rows].T for one program's BLOCK_N weight rows (w_rows: their pointers, any
     rows; with GATED also the rows N further), rows of x padded to 16: (acc, acc_up)
     [16, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
@@ -83,6 +115,7 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
         wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    stamp(TR, 1, TRACING)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
     x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
@@ -91,7 +124,11 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_rows + k[None, :]
     x_ptrs = X + m[:, None] * stride_xm + k[None, :]
+    k_rel = PRE * BLOCK_K + tl.maximum(tl.cdiv(K, BLOCK_K) - PRE - REL, 0) * BLOCK_K
     for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+        if REL > 0 and PDL:
+            if k0 == k_rel:
+                tl.extra.cuda.gdc_launch_dependents()
         k_ok = k0 + k < K
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
@@ -100,6 +137,7 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
             wu = tl.load(w_ptrs + N * stride_wn + k0, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
+    stamp(TR, 2, TRACING)
     if PDL:
         # release the successor only once the weights are streamed: released at the start,
         # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
@@ -119,15 +157,16 @@ def _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P: tl.conste
 
 @triton.jit
 def _small_linear_kernel(
-        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
+        X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX, TR,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr):
+        IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
     # the same instructions; the loop's loads are software-pipelined (num_stages).
+    stamp(TR, 0, TRACING)
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
@@ -135,7 +174,7 @@ def _small_linear_kernel(
     n_ok = n < N
     acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                                stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
-                               PDL)
+                               PDL, TR, TRACING, REL)
     if PRENORMED:
         rstd = _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
         acc = acc * rstd[:, None]
@@ -170,6 +209,7 @@ def _small_linear_kernel(
         tl.store(XN_OUT + m[:, None] * stride_xn_out + n[None, :],
                  (yf * nw[None, :]).to(XN_OUT.dtype.element_ty), mask=out_ok)
         tl.store(SS_OUT + m * stride_ss_out + pid, tl.sum(yf * yf, 1), mask=m_ok)
+    stamp(TR, 3, TRACING)
 
 
 @triton.jit
@@ -359,10 +399,11 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     res = residual if residual is not None else out
     ss_in = pre.ss if pre else out
     pdl = pdl_supported(x.device)
+    tr = trace_buffer("small_linear", grid, x.device)
     _small_linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, res, out, ss_in,
         norm_out[0] if nxt else weight, nxt.x if nxt else out, nxt.ss if nxt else out,
-        arg[0] if arg else out, arg[1] if arg else out,
+        arg[0] if arg else out, arg[1] if arg else out, tr,
         m, n, k, pre.ss.shape[1] if pre else 0, x.stride(0), weight.stride(0),
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
@@ -371,7 +412,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, TRACING=tr is not None, REL=RELEASE_TILES,
         num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     if argmax:
@@ -459,15 +500,17 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 @triton.jit
 def _qkv_rope_kernel(
         X, W, BIAS, SS_IN, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_OUT, K_CACHE,
-        V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
+        V_CACHE, TR, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
         stride_qh, stride_ct, stride_ch, stride_bt, eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         PAIRS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
         PRE: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-        PRENORMED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        PRENORMED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        TRACING: tl.constexpr, REL: tl.constexpr):
     # Program = (head, PAIRS rotary pairs of it): its weight rows are j and HALF + j for the
     # pairs' j, so both halves of each pair land in its own tile and the rotation, and the
     # stores rope_and_cache would make, are its epilogue.
+    stamp(TR, 0, TRACING)
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // PAIRS
     head = pid // per_head
@@ -485,7 +528,8 @@ def _qkv_rope_kernel(
     cos = tl.load(cs, mask=m_ok[:, None], other=0.0)
     sin = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
     acc, _ = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n >= 0, m, m_ok, K,
-                          stride_xm, stride_wn, 0, 2 * PAIRS, BLOCK_K, PRE, False, IEEE, PDL)
+                          stride_xm, stride_wn, 0, 2 * PAIRS, BLOCK_K, PRE, False, IEEE, PDL,
+                          TR, TRACING, REL)
     if PRENORMED:
         acc = acc * _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)[:, None]
     if HAS_BIAS:
@@ -513,6 +557,7 @@ def _qkv_rope_kernel(
         else:
             tl.store(V_CACHE + dst, o1.to(V_CACHE.dtype.element_ty), mask=mask)
             tl.store(V_CACHE + dst + HALF, o2.to(V_CACHE.dtype.element_ty), mask=mask)
+    stamp(TR, 3, TRACING)
 
 
 def qkv_rope_fusable(x: torch.Tensor | Prenormed, weight: torch.Tensor, head_dim: int,
@@ -555,9 +600,11 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         _config(weight.shape[0], k, False)
     pdl = pdl_supported(x.device)
     ss_in = pre.ss if pre else x
-    _qkv_rope_kernel[(weight.shape[0] // (2 * pairs),)](
+    grid = weight.shape[0] // (2 * pairs)
+    tr = trace_buffer("qkv_rope", grid, x.device)
+    _qkv_rope_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, ss_in, cos_sin, positions,
-        block_tables, token_req, q, k_cache, v_cache, m, k, pre.ss.shape[1] if pre else 0,
+        block_tables, token_req, q, k_cache, v_cache, tr, m, k, pre.ss.shape[1] if pre else 0,
         x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         pre.eps if pre else eps,
@@ -565,6 +612,6 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=1,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, TRACING=tr is not None, REL=RELEASE_TILES,
         num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return q

@@ -26,8 +26,6 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
     from triton.compiler import ASTSource
     if "TRACING" in fn.arg_names:       # the profiling stamps off, as the engine runs
         constexprs = {"TRACING": False, **constexprs}
-    if "WIDE_MERGE" in fn.arg_names:
-        constexprs = {"WIDE_MERGE": True, **constexprs}
     if "REL" in fn.arg_names:
         constexprs = {"REL": 0, **constexprs}
         types = {"TR": "*i64", **types}

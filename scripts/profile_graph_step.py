@@ -19,8 +19,7 @@ bench/decode.py), prints one JSON line per mode:
     preload=0|1 (attention reads older keys before its PDL wait),
     linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
     attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
-    write as its epilogue), wide_merge=0|1 (attention's splits merged from one load or
-    split by split), release=N (a GEMV lets its successor launch N weight tiles
+    write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
     before the end of its stream); '+' joins knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
@@ -216,7 +215,7 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             tlin.FUSED_ROPE, tlin.RELEASE_TILES, ta.WIDE_MERGE)
+             tlin.FUSED_ROPE, tlin.RELEASE_TILES)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -226,8 +225,6 @@ def apply_variant(spec: str):
             tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
         elif name == "fused_rope":
             tlin.FUSED_ROPE = value == "1"
-        elif name == "wide_merge":
-            ta.WIDE_MERGE = value == "1"
         elif name == "release":
             tlin.RELEASE_TILES = int(value)
         elif name == "attn":
@@ -239,7 +236,7 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        tlin.FUSED_ROPE, tlin.RELEASE_TILES, ta.WIDE_MERGE = saved[4:]
+        tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -35,7 +35,6 @@ MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split 
 SPLITS = 16
 SPLIT_BLOCK_N = 64
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
-WIDE_MERGE = True       # merge the splits' partials from one load (see _merge_splits)
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -103,7 +102,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        TRACING: tl.constexpr, WIDE_MERGE: tl.constexpr):
+        TRACING: tl.constexpr):
     stamp(TR, 0, TRACING)
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
@@ -168,9 +167,7 @@ def _paged_attention_kernel(
         _store_normalised(out_ptrs, acc, l, rows_mask)
     else:
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, t_lo, t_hi,
-                      pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS,
-                      OUT, stride_ot, stride_oh, pack * ROWS, kv_head * GROUP, GROUP, ROWS,
-                      HEAD_DIM, WIDE_MERGE)
+                      pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
     stamp(TR, 3, TRACING)
 
 
@@ -184,15 +181,11 @@ def _store_normalised(out_ptrs, acc, l, out_mask):
 @triton.jit
 def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi, unit,
                   split, g, d, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                  SPLITS: tl.constexpr, OUT, stride_ot, stride_oh, first_row, first_head,
-                  GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  WIDE: tl.constexpr):
+                  SPLITS: tl.constexpr):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
-    merges them all (the same arithmetic whichever program comes last; a split with no
-    key visible to a row adds exact zeros to it). Splits without keys leave at once; keys
-    within one tile need no merge. WIDE: the partials of every split are read at once,
-    four tile rows at a time (one round trip to L2, not one per split); else split by
-    split in order."""
+    merges them all in split order (the same arithmetic whichever program comes last;
+    a split with no key visible to a row adds exact zeros to it). Splits without keys
+    leave at once; keys within one tile need no merge."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
     if t_hi == t_lo:
@@ -200,41 +193,13 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
         _store_normalised(out_ptrs, acc, l, out_mask)
         return
     base = unit * SPLITS
-    real = (g < ROWS * GROUP) | (not WIDE)      # WIDE reads only the (row, head) rows
-    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc,
-             mask=real[:, None])
-    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m, mask=real)
-    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l, mask=real)
+    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
+    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
+    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
     # release: the partials above are visible to whoever draws the last ticket (acquire)
     ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
-    if ticket != tl.minimum(t_hi - t_lo + 1, SPLITS) - 1:
-        return
-    tl.store(TICKETS + unit, 0)                         # ready for the next launch
-    if WIDE:
-        # four tile rows at a time, so a row's tile has the same shape (and arithmetic)
-        # whatever its pack: every split's (m, l, acc) of them in one load, then the
-        # log-sum-exp merge as reductions over the splits
-        s = tl.arange(0, SPLITS)
-        s_ok = _first_tile(s, t_lo, SPLITS) <= t_hi
-        r = tl.arange(0, 4)
-        for c in tl.static_range(0, GROUP_PAD // 4):
-            if c * 4 < ROWS * GROUP:
-                gc = c * 4 + r
-                ok = s_ok[:, None] & (gc < ROWS * GROUP)[None, :]               # [S, 4]
-                ml = PART_ML + (base + s[:, None]) * 2 * GROUP_PAD + gc[None, :]
-                m_s = tl.load(ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(ml + GROUP_PAD, mask=ok, other=0.0, cache_modifier=".cg")
-                o_s = tl.load(PART_O + ((base + s[:, None, None]) * GROUP_PAD
-                                        + gc[None, :, None]) * DIM_PAD + d[None, None, :],
-                              mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-                m_all = tl.max(m_s, 0)                                          # [4]
-                m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-                w = tl.exp(m_s - m_safe[None, :])       # 0 for splits without keys
-                ptrs = OUT + (first_row + gc // GROUP)[:, None] * stride_ot + \
-                    (first_head + gc % GROUP)[:, None] * stride_oh + d[None, :]
-                _store_normalised(ptrs, tl.sum(w[:, :, None] * o_s, 0), tl.sum(w * l_s, 0),
-                                  (gc < ROWS * GROUP)[:, None] & (d < HEAD_DIM)[None, :])
-    else:
+    if ticket == tl.minimum(t_hi - t_lo + 1, SPLITS) - 1:
+        tl.store(TICKETS + unit, 0)                     # ready for the next launch
         m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_all = tl.zeros([GROUP_PAD], tl.float32)
         o_all = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -308,7 +273,6 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, TRACING=tr is not None, WIDE_MERGE=WIDE_MERGE, num_warps=warps,
-        num_stages=stages,
+        PDL=pdl, TRACING=tr is not None, num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     return out

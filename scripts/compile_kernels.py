@@ -26,9 +26,9 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
     from triton.compiler import ASTSource
     if "TRACING" in fn.arg_names:       # the profiling stamps off, as the engine runs
         constexprs = {"TRACING": False, **constexprs}
-    if "REL" in fn.arg_names:
-        constexprs = {"REL": 0, **constexprs}
         types = {"TR": "*i64", **types}
+    if "REL" in fn.arg_names:           # the successor released after the stream
+        constexprs = {"REL": 0, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

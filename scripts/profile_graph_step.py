@@ -23,7 +23,8 @@ bench/decode.py), prints one JSON line per mode:
     before the end of its stream); '+' joins knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
-    percentile, median, 90th percentile and latest in µs from the layer's attention start, the median over layers 2-29).
+    percentile, median, 90th percentile and latest in µs from the layer's attention start,
+    the median over layers 2-29; scripts/show_trace.py prints it compactly).
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations

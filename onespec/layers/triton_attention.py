@@ -267,8 +267,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     tr = trace_buffer("attention", grid[0] * grid[1] * grid[2], q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
-        tr, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or NO_WINDOW, num_kv_heads,
+        tr, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, window or NO_WINDOW,
+        num_kv_heads,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),

@@ -412,8 +412,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, TRACING=tr is not None, REL=RELEASE_TILES,
-        num_warps=warps, num_stages=stages,
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        TRACING=tr is not None, REL=RELEASE_TILES, num_warps=warps, num_stages=stages,
         **pdl_launch(pdl))
     if argmax:
         offsets = arg[2] if argmax_offsets is None else argmax_offsets
@@ -604,7 +604,8 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     tr = trace_buffer("qkv_rope", grid, x.device)
     _qkv_rope_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, ss_in, cos_sin, positions,
-        block_tables, token_req, q, k_cache, v_cache, tr, m, k, pre.ss.shape[1] if pre else 0,
+        block_tables, token_req, q, k_cache, v_cache, tr, m, k,
+        pre.ss.shape[1] if pre else 0,
         x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         pre.eps if pre else eps,
@@ -612,6 +613,7 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=1,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
-        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, TRACING=tr is not None, REL=RELEASE_TILES,
-        num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        TRACING=tr is not None, REL=RELEASE_TILES, num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl))
     return q

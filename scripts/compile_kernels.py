@@ -29,6 +29,8 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
         types = {"TR": "*i64", **types}
     if "REL" in fn.arg_names:           # the successor released after the stream
         constexprs = {"REL": 0, **constexprs}
+    if "ROWS" in fn.arg_names and "ROWS" not in constexprs:   # small_linear: whole tiles
+        constexprs = {"ROWS": constexprs["BLOCK_N"], **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -39,9 +41,11 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     before_wait = ptx.split("griddepcontrol.wait")[0]
+    before_release = ptx.split("griddepcontrol.launch_dependents")[0]
     return {"shared_bytes": kernel.metadata.shared,
             "pdl_instructions": ptx.count("griddepcontrol"),
-            "global_loads_before_wait": before_wait.count("ld.global")}
+            "global_loads_before_wait": before_wait.count("ld.global"),
+            "global_loads_before_release": before_release.count("ld.global")}
 
 
 def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
@@ -62,6 +66,10 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("small_linear residual+norm_out, square (o_proj) on sm_90", tl_._small_linear_kernel,
            ptrs, {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
                   "NORM_OUT": True}, deep_cfg[2:])
+    yield ("small_linear residual+norm_out, early release (down before qkv)",
+           tl_._small_linear_kernel, ptrs,
+           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
+            "NORM_OUT": True, "REL": -1}, plain_cfg[2:])
     yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
@@ -82,7 +90,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"},
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
             "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
-            "PRENORMED": True, "IEEE": False, "PDL": pdl}, qkv_cfg[2:])
+            "PRENORMED": True, "IEEE": False, "PDL": pdl, "REL": -1}, qkv_cfg[2:])
     yield ("small_linear plain, stamped (profiling)", tl_._small_linear_kernel,
            {**ptrs, "TR": "*i64"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "TRACING": True},

@@ -17,10 +17,13 @@ bench/decode.py), prints one JSON line per mode:
   - with --variants, first the step and replay times of each variant of the kernels' knobs
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
-    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
+    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles[:rows]] (a GEMV's
+    tiling; rows per program <= BLOCK_N),
     attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
     write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
-    before the end of its stream); '+' joins knobs into one variant;
+    before the end of its stream), early=0|1 (the qkv GEMV and the down projection
+    before it let their successor launch right after their own wait), early=N:K:gated
+    (that GEMV too); '+' joins knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
     percentile, median, 90th percentile and latest in µs from the layer's attention start,
@@ -216,7 +219,8 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
 def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             tlin.FUSED_ROPE, tlin.RELEASE_TILES)
+             tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
+             tlin.EARLY_RELEASE)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -228,6 +232,11 @@ def apply_variant(spec: str):
             tlin.FUSED_ROPE = value == "1"
         elif name == "release":
             tlin.RELEASE_TILES = int(value)
+        elif name == "early" and value in ("0", "1"):
+            tlin.EARLY_RELEASE = value == "1"
+        elif name == "early":
+            n, k, gated = (int(x) for x in value.split(":"))
+            tlin.RELEASE_AT_START.add((n, k, bool(gated)))
         elif name == "attn":
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
@@ -237,7 +246,10 @@ def apply_variant(spec: str):
 
     def undo():
         ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:]
+        tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:6]
+        tlin.RELEASE_AT_START.clear()
+        tlin.RELEASE_AT_START.update(saved[6])
+        tlin.EARLY_RELEASE = saved[7]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -41,6 +41,12 @@ MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
 FUSED_ROPE = True    # qkv_rope_and_cache: the qkv GEMV writes rotated heads and the KV cache
 RELEASE_TILES = 0    # a GEMV lets its successor launch this many weight tiles before its end
+# The qkv GEMV (qkv_rope_and_cache) and a small_linear called with early_release let their
+# successor launch right after their own wait, so its programs sit waiting beside theirs
+# and start ~1.3 us sooner after they end (H200: docs/PERFORMANCE.md, 2k)
+EARLY_RELEASE = True
+# profiling knob: more GEMVs that release at their start, keys (N, K, gated) of small_linear
+RELEASE_AT_START: set = set()
 # Profiling (scripts/profile_graph_step.py --trace): a list, and every launch of the kernels
 # here and in triton_attention appends (kernel name, stamps [programs, 5] int64): each
 # program's globaltimer (ns) at its start, after its wait for the previous kernel, after
@@ -115,6 +121,8 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
         wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if REL < 0:
+            tl.extra.cuda.gdc_launch_dependents()
     stamp(TR, 1, TRACING)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
@@ -138,7 +146,7 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, x, w, wu, GATED, IEEE)
     stamp(TR, 2, TRACING)
-    if PDL:
+    if PDL and REL >= 0:
         # release the successor only once the weights are streamed: released at the start,
         # its early blocks hold SMs this kernel still needs (H200, 8B decode step: 5.32 ms
         # vs 4.50 ms, docs/PERFORMANCE.md)
@@ -160,8 +168,9 @@ def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX, TR,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
-        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+        RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
@@ -170,8 +179,10 @@ def _small_linear_kernel(
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    # ROWS weight rows per program, in a tile of BLOCK_N (the rest masked off, never read)
+    i = tl.arange(0, BLOCK_N)
+    n = pid * ROWS + i
+    n_ok = (n < N) & (i < ROWS)
     acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                                stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
                                PDL, TR, TRACING, REL)
@@ -199,7 +210,7 @@ def _small_linear_kernel(
         yv = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
         tl.store(ARG_VAL + m * stride_arg + pid, tl.max(yv, 1), mask=m_ok)
         tl.store(ARG_IDX + m * stride_arg + pid,
-                 pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
+                 pid * ROWS + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
     else:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
     if NORM_OUT:
@@ -352,15 +363,20 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                  norm_out: tuple[torch.Tensor, float] | None = None,
                  out_dtype: torch.dtype | None = None, argmax: bool = False,
                  argmax_offsets: torch.Tensor | None = None,
-                 config: tuple[int, int, int, int] | None = None):
+                 config: tuple[int, int, int, int] | None = None,
+                 early_release: bool = False):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
 
     x may be a Prenormed (the RMSNorm of its producer). norm_out=(weight, eps), with a
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
-    the number of weight tiles loaded before waiting for the previous kernel."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE[, ROWS]]), PRE (a power of two,
+    default 1) the number of weight tiles loaded before waiting for the previous kernel,
+    ROWS (<= BLOCK_N, default BLOCK_N) the weight rows each program takes.
+    early_release: the next kernel may launch as soon as this one's wait returns (its
+    programs must fit beside this one's, one per SM: e.g. the next layer's qkv after the
+    MLP's down projection); otherwise after this one's weight stream."""
     pre = x if isinstance(x, Prenormed) else None
     x = pre.x if pre else x
     m, k = x.shape
@@ -377,13 +393,17 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
+    block_n, block_k, warps, stages, *extra = config or CONFIGS.get((n, k, gated)) or \
         _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device))
-    preload = preload[0] if preload else 1
+    preload = extra[0] if extra else 1
+    rows_per = extra[1] if len(extra) > 1 else block_n
     if preload < 1 or preload & (preload - 1):
         raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
                          f"got {preload}")
-    grid = triton.cdiv(n, block_n)
+    if not 1 <= rows_per <= block_n:
+        raise ValueError(f"small_linear: config's rows per program must be in [1, BLOCK_N = "
+                         f"{block_n}], got {rows_per}")
+    grid = triton.cdiv(n, rows_per)
     nxt = None
     if norm_out is not None:
         nxt = Prenormed(torch.empty_like(out),
@@ -408,13 +428,14 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload, ROWS=rows_per,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        TRACING=tr is not None, REL=RELEASE_TILES, num_warps=warps, num_stages=stages,
-        **pdl_launch(pdl))
+        TRACING=tr is not None,
+        REL=-1 if early_release and EARLY_RELEASE or (n, k, gated) in RELEASE_AT_START
+        else RELEASE_TILES, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     if argmax:
         offsets = arg[2] if argmax_offsets is None else argmax_offsets
         _argmax_reduce_kernel[(m,)](arg[0], arg[1], offsets, arg[2], grid, grid,
@@ -596,7 +617,7 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if m == 0:
         return q
     pairs = min(16, half)
-    _, block_k, warps, stages, *_ = CONFIGS.get((weight.shape[0], k, False)) or \
+    _, block_k, warps, stages, *preload = CONFIGS.get((weight.shape[0], k, False)) or \
         _config(weight.shape[0], k, False)
     pdl = pdl_supported(x.device)
     ss_in = pre.ss if pre else x
@@ -610,10 +631,10 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         pre.eps if pre else eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, PAIRS=pairs,
-        BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=1,
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=preload[0] if preload else 1,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        TRACING=tr is not None, REL=RELEASE_TILES, num_warps=warps, num_stages=stages,
-        **pdl_launch(pdl))
+        TRACING=tr is not None, REL=-1 if EARLY_RELEASE else RELEASE_TILES, num_warps=warps,
+        num_stages=stages, **pdl_launch(pdl))
     return q

@@ -196,8 +196,9 @@ class DecoderLayer(nn.Module):
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
         if next_norm is None:
             return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h), None
+        # the next layer's qkv GEMV launches beside this one (its programs fit one per SM)
         return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h,
-                            norm_out=(next_norm.weight, next_norm.eps))
+                            norm_out=(next_norm.weight, next_norm.eps), early_release=True)
 
 
 class LlamaModel(nn.Module):

@@ -21,8 +21,12 @@ between two weight streams is time the memory sits idle. The kernels here:
 
 On Hopper and newer every kernel is launched with programmatic dependent launch: it may
 start while its predecessor finishes (a linear layer begins streaming its first weight
-tile), and waits for it (gdc_wait) before reading anything the predecessor wrote; a
-linear layer lets its own successor start only after its weight stream.
+tile), and waits for it (gdc_wait) before reading anything the predecessor wrote. A
+linear layer lets its own successor start only after its weight stream (earlier, the
+successor's programs would take SMs its last programs need), except where the successor's
+programs fit beside its own, one per SM: the qkv GEMV (attention after it) and the down
+projection before the next layer's qkv release it right after their wait, so its programs
+are waiting on the SMs when this kernel ends.
 Each row is computed by the same instructions whatever the number of rows, so results
 never depend on how rows are batched. The PyTorch code in layers/linear.py is the reference.
 """
@@ -110,7 +114,8 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
     """x @ W[rows].T for one program's BLOCK_N weight rows (w_rows: their pointers, any
     rows; with GATED also the rows N further), rows of x padded to 16: (acc, acc_up)
     [16, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
-    releases the next one after the stream."""
+    releases the next one after the stream (REL = 0), REL tiles before its end (REL > 0)
+    or right after the wait (REL < 0)."""
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
     # dependent launch they stream while that kernel finishes.
     kp = tl.arange(0, PRE * BLOCK_K)

@@ -29,8 +29,6 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
         types = {"TR": "*i64", **types}
     if "REL" in fn.arg_names:           # the successor released after the stream
         constexprs = {"REL": 0, **constexprs}
-    if "ROWS" in fn.arg_names and "ROWS" not in constexprs:   # small_linear: whole tiles
-        constexprs = {"ROWS": constexprs["BLOCK_N"], **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -17,8 +17,7 @@ bench/decode.py), prints one JSON line per mode:
   - with --variants, first the step and replay times of each variant of the kernels' knobs
     (each captured afresh, the default measured again after them for the drift):
     preload=0|1 (attention reads older keys before its PDL wait),
-    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles[:rows]] (a GEMV's
-    tiling; rows per program <= BLOCK_N),
+    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
     attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
     write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
     before the end of its stream), early=0|1 (the qkv GEMV and the down projection

@@ -76,33 +76,6 @@ def test_small_linear_preloading_several_tiles(pre, gated):
         small_linear(x, lin.weight, config=(16, 64, 4, 2, 3))
 
 
-@pytest.mark.parametrize("rows_per", [5, 12, 16])
-@torch.inference_mode()
-def test_small_linear_rows_per_program_within_a_tile(rows_per):
-    """Programs of ROWS weight rows inside a 16-row tile (the rest masked off): the same
-    results as whole tiles, gated, with a residual and the next norm's partial sums, and
-    for the greedy argmax (whose columns are numbered by ROWS)."""
-    lin, norm = linear_parts(300, 44, True, True, torch.float32)
-    x = torch.randn(3, 300, device=DEV)
-    whole = small_linear(x, lin.weight, lin.bias, gated=True, config=(16, 128, 4, 2))
-    got = small_linear(x, lin.weight, lin.bias, gated=True, config=(16, 128, 4, 2, 1, rows_per))
-    torch.testing.assert_close(got, whole, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    square, _ = linear_parts(44, 44, False, False, torch.float32)
-    res = torch.randn(3, 44, device=DEV)
-    outs = [small_linear(got, square.weight, residual=res, norm_out=(norm.weight[:44], 1e-5),
-                         config=cfg) for cfg in ((16, 64, 4, 2), (16, 64, 4, 2, 1, rows_per))]
-    (y0, p0), (y1, p1) = outs
-    torch.testing.assert_close(y1, y0, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    torch.testing.assert_close(p1.x, p0.x, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    torch.testing.assert_close(p1.ss.sum(1), p0.ss.sum(1), rtol=1e-5, atol=1e-5)
-    assert p1.ss.shape[1] == -(-44 // rows_per)          # one partial sum per program
-    tokens = small_linear(x, lin.weight[:44], argmax=True, out_dtype=torch.float32,
-                          config=(16, 128, 4, 2, 1, rows_per))
-    assert torch.equal(tokens, (x @ lin.weight[:44].T).argmax(-1))
-    with pytest.raises(ValueError, match="rows per program must be in"):
-        small_linear(x, lin.weight, config=(16, 64, 4, 2, 1, 17))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_small_linear_rows_do_not_depend_on_the_batch(dtype):

@@ -173,9 +173,8 @@ def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX, TR,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, ROWS: tl.constexpr,
-        BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-        RESIDUAL: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
@@ -184,10 +183,8 @@ def _small_linear_kernel(
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
-    # ROWS weight rows per program, in a tile of BLOCK_N (the rest masked off, never read)
-    i = tl.arange(0, BLOCK_N)
-    n = pid * ROWS + i
-    n_ok = (n < N) & (i < ROWS)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                                stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
                                PDL, TR, TRACING, REL)
@@ -215,7 +212,7 @@ def _small_linear_kernel(
         yv = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
         tl.store(ARG_VAL + m * stride_arg + pid, tl.max(yv, 1), mask=m_ok)
         tl.store(ARG_IDX + m * stride_arg + pid,
-                 pid * ROWS + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
+                 pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
     else:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
     if NORM_OUT:
@@ -376,9 +373,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE[, ROWS]]), PRE (a power of two,
-    default 1) the number of weight tiles loaded before waiting for the previous kernel,
-    ROWS (<= BLOCK_N, default BLOCK_N) the weight rows each program takes.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
+    the number of weight tiles loaded before waiting for the previous kernel.
     early_release: the next kernel may launch as soon as this one's wait returns (its
     programs must fit beside this one's, one per SM: e.g. the next layer's qkv after the
     MLP's down projection); otherwise after this one's weight stream."""
@@ -398,17 +394,13 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages, *extra = config or CONFIGS.get((n, k, gated)) or \
+    block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
         _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device))
-    preload = extra[0] if extra else 1
-    rows_per = extra[1] if len(extra) > 1 else block_n
+    preload = preload[0] if preload else 1
     if preload < 1 or preload & (preload - 1):
         raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
                          f"got {preload}")
-    if not 1 <= rows_per <= block_n:
-        raise ValueError(f"small_linear: config's rows per program must be in [1, BLOCK_N = "
-                         f"{block_n}], got {rows_per}")
-    grid = triton.cdiv(n, rows_per)
+    grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
         nxt = Prenormed(torch.empty_like(out),
@@ -433,7 +425,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload, ROWS=rows_per,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,

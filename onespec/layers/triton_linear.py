@@ -330,6 +330,16 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
     return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
 
 
+def _tiling(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]) with PRE (default 1) checked."""
+    block_n, block_k, warps, stages, *preload = config
+    preload = preload[0] if preload else 1
+    if preload < 1 or preload & (preload - 1):
+        raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
+                         f"got {preload}")
+    return block_n, block_k, warps, stages, preload
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(device: torch.device) -> bool:
     """Compiled Triton on Hopper or newer (PDL, 227 KB of shared memory per block)."""
@@ -394,12 +404,9 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages, *preload = config or CONFIGS.get((n, k, gated)) or \
-        _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device))
-    preload = preload[0] if preload else 1
-    if preload < 1 or preload & (preload - 1):
-        raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
-                         f"got {preload}")
+    block_n, block_k, warps, stages, preload = _tiling(
+        config or CONFIGS.get((n, k, gated)) or
+        _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device)))
     grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
@@ -614,8 +621,8 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if m == 0:
         return q
     pairs = min(16, half)
-    _, block_k, warps, stages, *preload = CONFIGS.get((weight.shape[0], k, False)) or \
-        _config(weight.shape[0], k, False)
+    _, block_k, warps, stages, preload = _tiling(CONFIGS.get((weight.shape[0], k, False)) or
+                                                 _config(weight.shape[0], k, False))
     pdl = pdl_supported(x.device)
     ss_in = pre.ss if pre else x
     grid = weight.shape[0] // (2 * pairs)
@@ -628,7 +635,7 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         pre.eps if pre else eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, PAIRS=pairs,
-        BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=preload[0] if preload else 1,
+        BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=preload,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,

@@ -53,7 +53,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
-                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1, SPREAD=False)
+                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1)
     gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
     yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])

@@ -76,33 +76,6 @@ def test_small_linear_preloading_several_tiles(pre, gated):
         small_linear(x, lin.weight, config=(16, 64, 4, 2, 3))
 
 
-@pytest.mark.parametrize("programs", [7, 13])
-@torch.inference_mode()
-def test_small_linear_spread_over_programs_is_bit_identical(programs):
-    """PROGRAMS programs of about N / PROGRAMS rows each (one per SM on a GPU) compute every
-    row as the one-tile-per-program tiling does: bit-identical outputs, gated, with a
-    residual and the next norm's partial sums (one per program), and greedy tokens."""
-    torch.manual_seed(0)
-    x = torch.randn(3, 256, device=DEV, dtype=torch.bfloat16)
-    w = (torch.randn(2 * 100, 256, device=DEV) * 0.06).to(torch.bfloat16)
-    res = torch.randn(3, 100, device=DEV, dtype=torch.bfloat16)
-    nw = torch.rand(100, device=DEV).to(torch.bfloat16) + 0.5
-    tiled, spread = (32, 64, 4, 2), (32, 64, 4, 2, 1, programs)
-    assert torch.equal(small_linear(x, w, gated=True, config=spread),
-                       small_linear(x, w, gated=True, config=tiled))
-    y0, pre0 = small_linear(x, w[:100], residual=res, norm_out=(nw, 1e-6), config=tiled)
-    y1, pre1 = small_linear(x, w[:100], residual=res, norm_out=(nw, 1e-6), config=spread)
-    assert torch.equal(y1, y0) and torch.equal(pre1.x, pre0.x)
-    assert pre1.ss.shape == (3, programs)
-    torch.testing.assert_close(pre1.ss.sum(1), pre0.ss.sum(1), rtol=1e-5, atol=1e-5)
-    tokens = small_linear(x, w, out_dtype=torch.float32, argmax=True, config=spread)
-    assert torch.equal(tokens, small_linear(x, w, out_dtype=torch.float32).argmax(-1))
-    with pytest.raises(ValueError, match="need tiles of 34 rows, BLOCK_N is 32"):
-        small_linear(x, w, config=(32, 64, 4, 2, 1, 6))
-    with pytest.raises(ValueError, match="programs must be -1"):
-        small_linear(x, w, config=(32, 64, 4, 2, 1, -2))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_small_linear_rows_do_not_depend_on_the_batch(dtype):

@@ -173,8 +173,8 @@ def _small_linear_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX, TR,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
         stride_xn_out, stride_ss_out, stride_arg, eps,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, SPREAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
         IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr):
     # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
@@ -183,14 +183,8 @@ def _small_linear_kernel(
     pid = tl.program_id(0)
     m = tl.arange(0, 16)
     m_ok = m < M
-    if SPREAD:    # rows [pid N / P, (pid + 1) N / P) of N, P programs (e.g. one per SM)
-        first = pid * N // tl.num_programs(0)
-        end = (pid + 1) * N // tl.num_programs(0)
-    else:
-        first = pid * BLOCK_N
-        end = N
-    n = first + tl.arange(0, BLOCK_N)
-    n_ok = n < end
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                                stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
                                PDL, TR, TRACING, REL)
@@ -218,7 +212,7 @@ def _small_linear_kernel(
         yv = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
         tl.store(ARG_VAL + m * stride_arg + pid, tl.max(yv, 1), mask=m_ok)
         tl.store(ARG_IDX + m * stride_arg + pid,
-                 first + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
+                 pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=m_ok)
     else:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=out_ok)
     if NORM_OUT:
@@ -336,40 +330,14 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
     return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
 
 
-def _tiling(config: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE[, PROGRAMS]]) with PRE (default 1)
-    checked; PROGRAMS (default 0: one BLOCK_N tile per program) is returned as given."""
-    block_n, block_k, warps, stages, *extra = config
-    preload = extra[0] if extra else 1
-    programs = extra[1] if len(extra) > 1 else 0
+def _tiling(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]) with PRE (default 1) checked."""
+    block_n, block_k, warps, stages, *preload = config
+    preload = preload[0] if preload else 1
     if preload < 1 or preload & (preload - 1):
         raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
                          f"got {preload}")
-    if programs < -1:
-        raise ValueError(f"small_linear: config's programs must be -1 (one per SM), 0 (one "
-                         f"per tile) or a count, got {programs}")
-    return block_n, block_k, warps, stages, preload, programs
-
-
-def _grid(n: int, block_n: int, programs: int, device: torch.device) -> tuple[int, bool]:
-    """(programs, spread): one per BLOCK_N tile, or `programs` (-1: the device's SM count)
-    of about n / programs rows each, spread evenly (each must fit one tile)."""
-    if programs == 0:
-        return triton.cdiv(n, block_n), False
-    if programs == -1:
-        programs = _sm_count(device)
-    programs = min(programs, n)
-    if triton.cdiv(n, programs) > block_n:
-        raise ValueError(f"small_linear: {n} rows over {programs} programs need tiles of "
-                         f"{triton.cdiv(n, programs)} rows, BLOCK_N is {block_n}")
-    return programs, True
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return block_n, block_k, warps, stages, preload
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,10 +383,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE[, PROGRAMS]]), PRE (a power of
-    two, default 1) the number of weight tiles loaded before waiting for the previous
-    kernel; PROGRAMS (default 0: one per BLOCK_N tile) the number of programs, -1 for one
-    per SM, each taking about N / PROGRAMS consecutive rows (at most BLOCK_N).
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
+    the number of weight tiles loaded before waiting for the previous kernel.
     early_release: the next kernel may launch as soon as this one's wait returns (its
     programs must fit beside this one's, one per SM: e.g. the next layer's qkv after the
     MLP's down projection); otherwise after this one's weight stream."""
@@ -438,10 +404,10 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages, preload, programs = _tiling(
+    block_n, block_k, warps, stages, preload = _tiling(
         config or CONFIGS.get((n, k, gated)) or
         _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device)))
-    grid, spread = _grid(n, block_n, programs, weight.device)
+    grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
         nxt = Prenormed(torch.empty_like(out),
@@ -466,7 +432,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         res.stride(0), out.stride(0), ss_in.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0,
         grid if arg else 0, pre.eps if pre else eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload, SPREAD=spread,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRE=preload,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         PRENORMED=pre is not None, NORM_OUT=nxt is not None, ARGMAX=argmax,
@@ -655,7 +621,7 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if m == 0:
         return q
     pairs = min(16, half)
-    _, block_k, warps, stages, preload, _ = _tiling(CONFIGS.get((weight.shape[0], k, False)) or
+    _, block_k, warps, stages, preload = _tiling(CONFIGS.get((weight.shape[0], k, False)) or
                                                  _config(weight.shape[0], k, False))
     pdl = pdl_supported(x.device)
     ss_in = pre.ss if pre else x

@@ -122,14 +122,15 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
+    split_n, split_warps, split_stages = ta.SPLIT_CONFIG
     yield ("attention bf16 decode (split keys, 4-row verify packs)",
            ta._paged_attention_kernel, attn,
-           {**base, "ROWS": 4, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS,
-            "RPR": 4, "RPR_PAD": 4, "IEEE": False}, (4, 2))
+           {**base, "ROWS": 4, "BLOCK_N": split_n, "SPLITS": ta.SPLITS,
+            "RPR": 4, "RPR_PAD": 4, "IEEE": False}, (split_warps, split_stages))
     yield ("attention bf16 decode (split keys, 1 row per request)",
            ta._paged_attention_kernel, attn,
-           {**base, "BLOCK_N": ta.SPLIT_BLOCK_N, "SPLITS": ta.SPLITS, "RPR": 1,
-            "IEEE": False}, (4, 2))
+           {**base, "BLOCK_N": split_n, "SPLITS": ta.SPLITS, "RPR": 1,
+            "IEEE": False}, (split_warps, split_stages))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

@@ -9,7 +9,9 @@ kernel serves all three, and its metadata is built on the device (CUDA-graph saf
 Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over SPLITS
 programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores its partial
 softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
-the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8.
+the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8;
+with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all
+(its result is stored as is, no merge) and the other splits leave at once.
 When every request has the same number of consecutive rows (a K+1-row verify), a request's
 rows can share one program per kv head and read each key tile once (rows_per_request).
 Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
@@ -33,7 +35,11 @@ from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl
 NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split their keys
 SPLITS = 16
-SPLIT_BLOCK_N = 64
+# decode-sized launches, 16-bit keys of head_dim <= 128: 256-key tiles, 8 warps, one stage.
+# Up to 256 keys one program per (row, kv head) holds them all, read before its PDL wait,
+# and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles;
+# docs/PERFORMANCE.md, 2l)
+SPLIT_CONFIG = (256, 8, 1)
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
@@ -247,7 +253,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     if config is None:
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
-        config = (min(SPLIT_BLOCK_N, narrow), 4, 2) if splits > 1 else \
+        config = (SPLIT_CONFIG if wide else (narrow, 4, 2)) if splits > 1 else \
             (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
     pdl = pdl_supported(q.device)

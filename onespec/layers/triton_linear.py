@@ -375,7 +375,7 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                  norm_out: tuple[torch.Tensor, float] | None = None,
                  out_dtype: torch.dtype | None = None, argmax: bool = False,
                  argmax_offsets: torch.Tensor | None = None,
-                 config: tuple[int, int, int, int] | None = None,
+                 config: tuple[int, ...] | None = None,
                  early_release: bool = False):
     """x [M, K] (M <= MAX_ROWS), weight [N or 2N, K] -> [M, N]; see the module docstring.
 

@@ -64,18 +64,20 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("small_linear residual+norm_out, square (o_proj) on sm_90", tl_._small_linear_kernel,
            ptrs, {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
                   "NORM_OUT": True}, deep_cfg[2:])
+    down_cfg = tl_._config(4096, 14336, False, True)     # the 8B shape's, on sm_90
     yield ("small_linear residual+norm_out, early release (down before qkv)",
            tl_._small_linear_kernel, ptrs,
-           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
-            "NORM_OUT": True, "REL": -1}, plain_cfg[2:])
+           {**linear, "BLOCK_N": down_cfg[0], "BLOCK_K": down_cfg[1], "RESIDUAL": True,
+            "NORM_OUT": True, "REL": -1}, down_cfg[2:])
     yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
     yield ("small_linear fp32 logits", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
+    vocab_cfg = tl_._config(128256, 4096, False, True)   # a vocabulary-sized lm_head
     yield ("small_linear greedy argmax", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
-           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "ARGMAX": True},
-           plain_cfg[2:])
+           {**linear, "BLOCK_N": vocab_cfg[0], "BLOCK_K": vocab_cfg[1], "ARGMAX": True},
+           vocab_cfg[2:])
     for cfg in extra_linear:       # (BLOCK_N, BLOCK_K, warps, stages, PRE, gated)
         bn, bk, warps, stages, pre, gated = cfg
         yield (f"small_linear {bn}:{bk}:{warps}:{stages}:{pre}{' gated' if gated else ''}",

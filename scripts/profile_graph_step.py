@@ -35,6 +35,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -280,8 +281,9 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
         for _ in range(4):
             eng.step()
 
-    def stamped_layer() -> list[dict]:
-        """program_trace of one replay of the graph captured afresh with stamps on."""
+    def stamped_layer(tag: str = "default") -> list[dict]:
+        """program_trace of one replay of the graph captured afresh with stamps on (the raw
+        stamps also saved to --trace-raw's folder)."""
         restart(False)
         tlin.TRACE = []
         graphs.graphs.clear()
@@ -298,6 +300,10 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
         torch.cuda.synchronize()
         launches = [(n, b.cpu()) for n, b in tlin.TRACE if b[:, 0].any()]
         tlin.TRACE = None
+        if args.trace_raw:
+            os.makedirs(args.trace_raw, exist_ok=True)
+            torch.save(launches, os.path.join(
+                args.trace_raw, f"{'plain' if k == 0 else 'spec'}_{tag}.pt".replace(":", "_")))
         graphs.graphs.clear()          # the next capture without stamps
         graphs.pool = torch.cuda.graph_pool_handle()
         return program_trace(launches)
@@ -311,7 +317,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
                       "replay_ms": round(mean_ms(replay, 100), 3),
                       "layer": traced_layer(replay)})
         if args.trace:
-            sweep[-1]["trace"] = stamped_layer()
+            sweep[-1]["trace"] = stamped_layer(variant)
         undo()
     restart(True)
     host = host_breakdown(eng, key)
@@ -400,6 +406,9 @@ def main():
     p.add_argument("--trace", action="store_true",
                    help="also each kernel's programs of one layer, from stamps they write "
                         "(triton_linear.TRACE): start, end of the wait, of the main work, end")
+    p.add_argument("--trace-raw", default="",
+                   help="with --trace: a folder for each traced replay's raw stamps "
+                        "(torch.save of [(kernel, stamps [programs, 5])])")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     if not torch.cuda.is_available():

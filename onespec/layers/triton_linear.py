@@ -322,11 +322,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
     H200 (docs/PERFORMANCE.md). `deep`: 16-bit weights on a GPU with Hopper's shared memory,
-    where a square projection (o_proj, after attention) streams 8 tiles deep (172 KB):
-    plain batch 1 on the 8B shape 4.34-4.43 vs 4.49-4.52 ms in alternating benchmark
-    processes (docs/PERFORMANCE.md, 2f)."""
+    where (H200, 8B shape, docs/PERFORMANCE.md 2f and 2m)
+    - a square projection (o_proj, after attention) streams 8 tiles deep (172 KB): plain
+      batch 1 4.34-4.43 vs 4.49-4.52 ms in alternating benchmark processes;
+    - a projection down to fewer outputs than inputs (the MLP's down, EAGLE-3's fc) 6 deep
+      (120 KB, so one program an SM, with room for one of the next qkv's beside it): 4.132
+      vs 4.145 ms;
+    - a vocabulary-sized one (lm_head, N >= 64K) in 64 x 128 tiles, 4 deep: 237.5 vs 244.8
+      us for the 128256 x 4096 lm_head with its argmax."""
     if gated:
         return 64, 128, 4, 3
+    if deep and n >= 1 << 16:
+        return 64, 128, 4, 4
+    if deep and k > n:
+        return 32, 256, 4, 6
     return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
 
 

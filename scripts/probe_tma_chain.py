@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from timing import graph_us
+
 SHAPES = {"o_proj": (4096, 4096, False), "gate_up": (14336, 4096, True),
           "down": (4096, 14336, False), "qkv": (6144, 4096, False)}
 ORDER = ("o_proj", "gate_up", "down", "qkv")
@@ -133,29 +135,6 @@ def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w.reshape(rows // bn, bn, k // bk, bk).permute(0, 2, 1, 3).contiguous()
 
 
-def graph_us(fn, reps: int = 20, trials: int = 3) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    best = float("inf")
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, 1e3 * start.elapsed_time(end) / reps)
-    return best
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,49 +176,45 @@ def main():
 
     emit(kernel="small_linear", us_per_layer=round(graph_us(chain_small_linear) / args.layers, 2))
 
-    def tma_chain(cfg: dict):
-        descs = [{name: TensorDescriptor.from_tensor(w[name], [cfg[name][0], cfg[name][1]])
-                  for name in ORDER} for w in weights]
-        outs = {name: torch.empty(1, SHAPES[name][0], device="cuda", dtype=dt)
-                for name in ORDER}
+    outs = {name: torch.empty(1, SHAPES[name][0], device="cuda", dtype=dt) for name in ORDER}
 
+    def chain(per_layer: list[dict], launch):
+        """run(layers=None): the chain over per_layer's weights (descriptors, tiles), each
+        GEMV launched by launch(name, x, its weight, its output)."""
         def run(layers=None):
             x = x0
-            for d in descs[:layers]:
+            for d in per_layer[:layers]:
                 for name in ORDER:
-                    n, k, g = SHAPES[name]
-                    bn, bk, stages, warps = cfg[name]
-                    _tma_gemv_kernel[(triton.cdiv(n, bn),)](
-                        x, d[name], outs[name], 1, n, k, x.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                        STAGES=stages, GATED=g, EARLY=name in EARLY, num_warps=warps,
-                        launch_pdl=True)
+                    launch(name, x, d[name], outs[name])
                     x = outs[name][:, :4096] if name == "qkv" else outs[name]
             return x
         return run
+
+    def tma_chain(cfg: dict):
+        def launch(name, x, desc, y):
+            n, k, g = SHAPES[name]
+            bn, bk, stages, warps = cfg[name]
+            _tma_gemv_kernel[(triton.cdiv(n, bn),)](
+                x, desc, y, 1, n, k, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
+                GATED=g, EARLY=name in EARLY, num_warps=warps, launch_pdl=True)
+        return chain([{name: TensorDescriptor.from_tensor(w[name], list(cfg[name][:2]))
+                       for name in ORDER} for w in weights], launch)
 
     def blocked_chain(cfg: dict, tma: bool):
         tiles = [{name: blocked(w[name], cfg[name][0], cfg[name][1]) for name in ORDER}
                  for w in weights]
         if tma:
             tiles = [{name: TensorDescriptor.from_tensor(t.view(-1, cfg[name][1]),
-                                                         [cfg[name][0], cfg[name][1]])
+                                                         list(cfg[name][:2]))
                       for name, t in layer.items()} for layer in tiles]
-        outs = {name: torch.empty(1, SHAPES[name][0], device="cuda", dtype=dt)
-                for name in ORDER}
 
-        def run(layers=None):
-            x = x0
-            for d in tiles[:layers]:
-                for name in ORDER:
-                    n, k, g = SHAPES[name]
-                    bn, bk, stages, warps = cfg[name]
-                    _blocked_gemv_kernel[(n // bn,)](
-                        x, d[name], outs[name], 1, n, k, x.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                        STAGES=stages, GATED=g, EARLY=name in EARLY, TMA=tma,
-                        num_warps=warps, launch_pdl=True)
-                    x = outs[name][:, :4096] if name == "qkv" else outs[name]
-            return x
-        return run
+        def launch(name, x, w, y):
+            n, k, g = SHAPES[name]
+            bn, bk, stages, warps = cfg[name]
+            _blocked_gemv_kernel[(n // bn,)](
+                x, w, y, 1, n, k, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
+                GATED=g, EARLY=name in EARLY, TMA=tma, num_warps=warps, launch_pdl=True)
+        return chain(tiles, launch)
 
     def check_and_time(kind, cfg, run):
         try:
@@ -286,26 +261,7 @@ def main():
                       (32, 128, 6, 4)]}
     variants = [dict(base)] + [{**base, name: c} for name, cs in sweeps.items() for c in cs]
     for cfg in variants:
-        try:
-            run = tma_chain(cfg)
-            # one layer against PyTorch, each GEMV on the one before's (TMA) output
-            got = run(1)
-            x, ok = x0.float(), True
-            for name in ORDER:
-                w = weights[0][name].float()
-                y = x @ w.T
-                if SHAPES[name][2]:
-                    g, u = y.chunk(2, -1)
-                    y = torch.nn.functional.silu(g) * u
-                x = y.to(dt).float()
-            x = x[:, :4096]
-            ok = ((got.float() - x).norm() / x.norm()).item() < 2e-2
-            us = graph_us(run) / args.layers
-        except Exception as e:
-            emit(kernel="tma", cfg=cfg, error=str(e)[:200])
-            continue
-        emit(kernel="tma", cfg=cfg, us_per_layer=round(us, 2), matches_torch=ok)
-
+        check_and_time("tma", cfg, tma_chain(cfg))
 
 if __name__ == "__main__":
     main()

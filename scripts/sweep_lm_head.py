@@ -16,33 +16,11 @@ import sys
 
 import torch
 
+from timing import graph_us
+
 TILINGS = [None, (32, 256, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5),
            (64, 256, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3),
            (32, 512, 4, 3), (16, 512, 4, 4), (128, 64, 4, 4), (64, 64, 4, 6)]
-
-
-def time_us(fn, calls: int = 8, reps: int = 20, trials: int = 3) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, 1e3 * start.elapsed_time(end) / reps / calls)
-    return best
 
 
 def main():
@@ -62,7 +40,8 @@ def main():
     for cfg in TILINGS:
         try:
             got = small_linear(x, w, argmax=True, config=cfg)
-            us = time_us(lambda: small_linear(x, w, argmax=True, config=cfg))
+            us = graph_us(lambda: [small_linear(x, w, argmax=True, config=cfg) for _ in range(8)],
+                          per=8, warmup=1)
         except Exception as e:      # e.g. out of shared memory
             out.write(json.dumps({"cfg": cfg, "error": str(e)[:150]}) + "\n")
             continue

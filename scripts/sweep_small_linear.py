@@ -22,6 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from timing import graph_us
+
 # name -> (N outputs, K inputs, fused work, copies)
 SHAPES = {
     "qkv": (6144, 4096, "norm", 32),
@@ -93,23 +95,8 @@ def _compile(job):
 
 
 def graph_time_us(fn, calls: int, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps / calls
+    """One call's microseconds in a CUDA graph of fn's `calls` calls (one timed round)."""
+    return graph_us(fn, per=calls, reps=reps, trials=1)
 
 
 def main():

@@ -34,11 +34,11 @@ def make_hf_model(path, arch: str = "llama", num_layers: int = 4, vocab_size: in
                   hidden_size: int = 64, seed: int = 0, **overrides):
     import transformers
     cfg_name, model_name, extra = ARCH_CONFIGS[arch]
-    cfg = getattr(transformers, cfg_name)(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size + 16,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **{**extra, **overrides})
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size,
+                  intermediate_size=2 * hidden_size + 16, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = getattr(transformers, cfg_name)(**{**fields, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).float().eval()
     with torch.no_grad():           # larger-than-default weights: sharper, less tied logits

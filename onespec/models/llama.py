@@ -187,18 +187,25 @@ class DecoderLayer(nn.Module):
         `pre`: this layer's input norm, left by the previous layer (None: compute it).
         Returns (h, the next layer's input norm or None)."""
         from onespec.layers.triton_linear import small_linear
+        from onespec.layers.triton_mlp import fused_mlp, fused_mlp_supported
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         out = attn.attend_decode(h if pre is None else pre, positions, rotary, meta,
                                  norm1 if pre is None else None)
         h, pre = small_linear(out, attn.o_proj.weight, residual=h,
                               norm_out=(norm2.weight, norm2.eps))
+        nn_out = None if next_norm is None else (next_norm.weight, next_norm.eps)
+        if fused_mlp_supported(pre.x, mlp.gate_up_proj, mlp.down_proj):
+            # gate_up and down as one persistent kernel, no boundary between them
+            out = fused_mlp(pre, mlp.gate_up_proj.weight, mlp.down_proj.weight, h,
+                            norm_out=nn_out)
+            return out if nn_out is not None else (out, None)
         act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
-        if next_norm is None:
+        if nn_out is None:
             return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h), None
         # the next layer's qkv GEMV launches beside this one (its programs fit one per SM)
         return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h,
-                            norm_out=(next_norm.weight, next_norm.eps), early_release=True)
+                            norm_out=nn_out, early_release=True)
 
 
 class LlamaModel(nn.Module):

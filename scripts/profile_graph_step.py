@@ -22,7 +22,9 @@ bench/decode.py), prints one JSON line per mode:
     write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
     before the end of its stream), early=0|1 (the qkv GEMV and the down projection
     before it let their successor launch right after their own wait), early=N:K:gated
-    (that GEMV too); '+' joins knobs into one variant;
+    (that GEMV too), mlp=1 (gate_up and down as triton_mlp's persistent kernel instead of
+    two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]); '+' joins
+    knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
     percentile, median, 90th percentile and latest in µs from the layer's attention start,
@@ -47,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from onespec import SamplingParams
 from onespec.layers import triton_attention as ta
 from onespec.layers import triton_linear as tlin
+from onespec.layers import triton_mlp as tmlp
 from onespec.bench_cli import build_llm, set_draft, write_model_dirs
 
 MARK = "spin_kernel"
@@ -220,7 +223,7 @@ def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
              tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
-             tlin.EARLY_RELEASE)
+             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG))
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -241,6 +244,10 @@ def apply_variant(spec: str):
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
             ta.triton_paged_attention = functools.partial(saved[2], config=cfg[:3])
+        elif name == "mlp" and value in ("0", "1"):
+            tmlp.ENABLED = value == "1"
+        elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
+            tmlp.CONFIG[name[4:]] = int(value)
         elif name != "default":
             raise SystemExit(f"unknown variant knob {knob!r}")
 
@@ -249,7 +256,9 @@ def apply_variant(spec: str):
         tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:6]
         tlin.RELEASE_AT_START.clear()
         tlin.RELEASE_AT_START.update(saved[6])
-        tlin.EARLY_RELEASE = saved[7]
+        tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
+        tmlp.CONFIG.clear()
+        tmlp.CONFIG.update(saved[9])
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -49,6 +49,7 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
 def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     from onespec.layers import triton_attention as ta
     from onespec.layers import triton_linear as tl_
+    from onespec.layers import triton_mlp as tm
     pdl = arch >= 90
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
@@ -91,16 +92,16 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
             "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
             "PRENORMED": True, "IEEE": False, "PDL": pdl, "REL": -1}, qkv_cfg[2:])
-    from onespec.layers import triton_mlp as tm
     if pdl:                         # the persistent MLP runs on Hopper only
         cfg = tm.CONFIG
         yield ("fused MLP, 8B shape (gate_up + down, next norm)",
                tm._mlp_kernel, {**ptrs, "WGU": "*bf16", "WD": "*bf16", "ACT": "*bf16",
                                 "SYNC": "*i32"},
                {"H": 4096, "I": 14336, "G": 132, "BANDS": tm.num_bands(14336),
-                "FLAT_B": cfg["flat"], "BA": cfg["ba"], "RR": True, "WAITS": True, "BB": tm.BB, "BLOCK_K": tm.BLOCK_K,
-                "BLOCK_P": 128, "STAGES_A": cfg["stages_a"], "STAGES_B": cfg["stages_b"],
-                "NORM_OUT": True, "PDL": pdl, "EARLY": cfg["early"]}, (4, 1))
+                "FLAT_B": cfg["flat"], "BA": cfg["ba"], "RR": True, "WAITS": True,
+                "BB": tm.BB, "BLOCK_K": tm.BLOCK_K, "BLOCK_P": 128,
+                "STAGES_A": cfg["stages_a"], "STAGES_B": cfg["stages_b"], "NORM_OUT": True,
+                "PDL": pdl, "EARLY": cfg["early"]}, (4, 1))
     yield ("small_linear plain, stamped (profiling)", tl_._small_linear_kernel,
            {**ptrs, "TR": "*i64"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "TRACING": True},

@@ -1,14 +1,15 @@
 """The persistent MLP kernel (triton_mlp.fused_mlp) against small_linear's gate_up + down.
 
-    python scripts/probe_fused_mlp.py [--layers 32] [--variants 4:6:4:1,...] [--out f.jsonl]
+    python scripts/probe_fused_mlp.py [--layers 32] [--variants default,ba=32,...]
+                                      [--trace] [--out f.jsonl]
 
 First checks, at 1, 4 and 16 rows of the 8B shape, that fused_mlp gives bit for bit what
 small_linear's two kernels give (output, the next norm's rows and sums), also on a repeated
 launch (the counters zeroed by the last program). Then times a chain of 32 layers in one
 CUDA graph, each o_proj (residual + next norm) -> MLP -> qkv (PDL as in the engine; no
-attention), with the MLP as the two kernels and as fused_mlp at each variant
-CONFIG keys joined by '+' (e.g. ba=32+stages_a=3). With --trace, also each fused variant's per-program phase
-times (the kernel's stamps). One JSON line per result.
+attention), with the MLP as the two kernels and as fused_mlp in each variant: 'default'
+or triton_mlp.CONFIG keys joined by '+' (e.g. ba=32+stages_a=4). With --trace, also each
+variant's per-program phase times (the kernel's stamps). One JSON line per result.
 """
 from __future__ import annotations
 

@@ -59,10 +59,26 @@ def test_plan_needs_a_program_per_down_block():
     assert plan(8192, 28672, 132) is None         # 256 row blocks of 32 for 132 SMs
 
 
-def test_not_supported_off_hopper():
+def test_not_supported_off_hopper(monkeypatch):
+    monkeypatch.setattr(triton_mlp, "ENABLED", True)
     lin = torch.nn.Linear(512, 3072, bias=False).to(torch.bfloat16)
     down = torch.nn.Linear(1536, 512, bias=False).to(torch.bfloat16)
     assert not fused_mlp_supported(torch.zeros(1, 512, dtype=torch.bfloat16), lin, down)
+
+
+def test_fused_mlp_rejects_bad_shapes():
+    """Checked before anything is launched (so on any machine)."""
+    w_gu, w_d = torch.zeros(3072, 512), torch.zeros(512, 1536)
+
+    def pre(rows):
+        return Prenormed(torch.zeros(rows, 512), torch.ones(rows, 16), 1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_mlp(pre(2), w_gu[:-256], w_d, torch.zeros(2, 512))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fused_mlp(pre(18), w_gu, w_d, torch.zeros(18, 512))
+    with pytest.raises(ValueError, match="multiples of 256"):
+        fused_mlp(pre(2), torch.zeros(2 * 1000, 512), torch.zeros(512, 1000),
+                  torch.zeros(2, 512))
 
 
 def _parts(hidden, inter, rows, dtype, seed=0):

@@ -272,11 +272,12 @@ def num_bands(inter: int, bands: int | None = None) -> int:
     return max(1, min(bands or CONFIG["bands"], (inter // BLOCK_K).bit_length()))
 
 
-def _sync_buffer(device: torch.device, bands: int) -> torch.Tensor:
-    buf = _SYNC.get(device)
-    if buf is None or buf.numel() < bands + 1:
-        buf = _SYNC[device] = torch.zeros(64, dtype=torch.int32, device=device)
-    return buf
+def _sync_buffer(device: torch.device) -> torch.Tensor:
+    """The device's counters: one per band and the programs-done count (num_bands keeps
+    the bands far below 63); all zero between launches."""
+    if device not in _SYNC:
+        _SYNC[device] = torch.zeros(64, dtype=torch.int32, device=device)
+    return _SYNC[device]
 
 
 _SYNC: dict = {}
@@ -290,8 +291,9 @@ def fused_mlp_supported(x: torch.Tensor | Prenormed, gate_up: torch.nn.Linear,
     w = gate_up.weight
     hidden, inter = down.weight.shape
     rows = (x.x if isinstance(x, Prenormed) else x).shape[0]
-    return (ENABLED and _hopper(w.device) and w.element_size() == 2 and gate_up.bias is None and
-            down.bias is None and rows <= MAX_ROWS and hidden % BLOCK_K == 0 and
+    return (ENABLED and _hopper(w.device) and w.element_size() == 2 and
+            gate_up.bias is None and down.bias is None and rows <= MAX_ROWS and
+            hidden % BLOCK_K == 0 and
             inter % BLOCK_K == 0 and hidden % BB == 0 and
             plan(hidden, inter, _sm_count(w.device), CONFIG["ba"]) is not None)
 
@@ -309,6 +311,9 @@ def fused_mlp(pre: Prenormed, gate_up_weight: torch.Tensor, down_weight: torch.T
     if gate_up_weight.shape != (2 * inter, hidden) or down_weight.shape != (hidden, inter):
         raise ValueError(f"fused_mlp: gate_up {tuple(gate_up_weight.shape)} and down "
                          f"{tuple(down_weight.shape)} do not fit x {tuple(x.shape)}")
+    if m > MAX_ROWS or hidden % BLOCK_K or inter % BLOCK_K:
+        raise ValueError(f"fused_mlp: x {tuple(x.shape)} and intermediate size {inter} need "
+                         f"at most {MAX_ROWS} rows and sizes in multiples of {BLOCK_K}")
     bands = num_bands(inter, cfg["bands"])
     deal = plan(hidden, inter, _sm_count(x.device), cfg["ba"], cfg["a_cost"])
     if deal is None:
@@ -331,13 +336,14 @@ def fused_mlp(pre: Prenormed, gate_up_weight: torch.Tensor, down_weight: torch.T
     _mlp_kernel[(programs,)](
         x, pre.ss, gate_up_weight, down_weight, residual, out,
         norm_out[0] if nxt else out, nxt.x if nxt else out, nxt.ss if nxt else out, act,
-        _sync_buffer(x.device, bands), tr,
+        _sync_buffer(x.device), tr,
         m, pre.ss.shape[1], x.stride(0), pre.ss.stride(0), residual.stride(0), out.stride(0),
         nxt.x.stride(0) if nxt else 0, nxt.ss.stride(0) if nxt else 0, pre.eps,
         *deal,
         H=hidden, I=inter, G=programs, BANDS=bands, FLAT_B=cfg["flat"], BA=cfg["ba"], BB=BB,
         RR=bool(cfg["rr"]), WAITS=bool(cfg["sync"]),
-        BLOCK_K=BLOCK_K, BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]), STAGES_A=cfg["stages_a"],
-        STAGES_B=cfg["stages_b"], NORM_OUT=nxt is not None, PDL=pdl, EARLY=early,
+        BLOCK_K=BLOCK_K, BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]),
+        STAGES_A=cfg["stages_a"], STAGES_B=cfg["stages_b"], NORM_OUT=nxt is not None,
+        PDL=pdl, EARLY=early,
         TRACING=tr is not None, num_warps=4, **pdl_launch(pdl))
     return out if nxt is None else (out, nxt)

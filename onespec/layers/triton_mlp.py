@@ -49,11 +49,12 @@ BLOCK_K = 256    # weight columns per loaded tile, both phases
 ENABLED = os.environ.get("ONESPEC_FUSED_MLP", "0") == "1"
 # stages of each phase's weight pipeline; activation bands; early: release the next kernel
 # at the start; flat: phase B as one loop (else a loop per band); ba: gate (and up) rows of
-# a phase-A tile; a_cost: a gate_up byte weighed as a_cost % of a down byte in the plan.
+# a phase-A tile; a_cost: a gate_up byte weighed as a_cost % of a down byte in the plan;
+# warps per program.
 # Profiling only: rr=0 deals each program adjacent tiles, sync=0 drops the waits (wrong
 # results, the streams' own speed). Best measured: docs/PERFORMANCE.md, 2n.
 CONFIG = {"stages_a": 6, "stages_b": 6, "bands": 6, "early": False, "flat": True, "ba": 16,
-          "rr": 1, "sync": 1, "a_cost": 120}
+          "rr": 1, "sync": 1, "a_cost": 120, "warps": 4}
 
 
 @triton.jit
@@ -345,5 +346,5 @@ def fused_mlp(pre: Prenormed, gate_up_weight: torch.Tensor, down_weight: torch.T
         BLOCK_K=BLOCK_K, BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]),
         STAGES_A=cfg["stages_a"], STAGES_B=cfg["stages_b"], NORM_OUT=nxt is not None,
         PDL=pdl, EARLY=early,
-        TRACING=tr is not None, num_warps=4, **pdl_launch(pdl))
+        TRACING=tr is not None, num_warps=cfg["warps"], **pdl_launch(pdl))
     return out if nxt is None else (out, nxt)

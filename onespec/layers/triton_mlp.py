@@ -289,10 +289,12 @@ def fused_mlp_supported(x: torch.Tensor | Prenormed, gate_up: torch.nn.Linear,
     """Whether fused_mlp takes this MLP: compiled Triton on Hopper or newer, 16-bit
     weights without bias, at most MAX_ROWS rows, sizes in whole tiles and no more down
     row blocks than SMs."""
+    if not ENABLED:
+        return False
     w = gate_up.weight
     hidden, inter = down.weight.shape
     rows = (x.x if isinstance(x, Prenormed) else x).shape[0]
-    return (ENABLED and _hopper(w.device) and w.element_size() == 2 and
+    return (_hopper(w.device) and w.element_size() == 2 and
             gate_up.bias is None and down.bias is None and rows <= MAX_ROWS and
             hidden % BLOCK_K == 0 and
             inter % BLOCK_K == 0 and hidden % BB == 0 and

@@ -23,7 +23,8 @@ bench/decode.py), prints one JSON line per mode:
     before the end of its stream), early=0|1 (the qkv GEMV and the down projection
     before it let their successor launch right after their own wait), early=N:K:gated
     (that GEMV too), mlp=1 (gate_up and down as triton_mlp's persistent kernel instead of
-    two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]); '+' joins
+    two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]),
+    attn_idle=0|1 (attention's splits without keys leave before their wait); '+' joins
     knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
@@ -223,7 +224,7 @@ def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
              tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
-             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG))
+             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -244,6 +245,8 @@ def apply_variant(spec: str):
             cfg = tuple(int(x) for x in value.split(":"))
             ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
             ta.triton_paged_attention = functools.partial(saved[2], config=cfg[:3])
+        elif name == "attn_idle" and value in ("0", "1"):
+            ta.IDLE_EXIT = value == "1"
         elif name == "mlp" and value in ("0", "1"):
             tmlp.ENABLED = value == "1"
         elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
@@ -259,6 +262,7 @@ def apply_variant(spec: str):
         tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
         tmlp.CONFIG.clear()
         tmlp.CONFIG.update(saved[9])
+        ta.IDLE_EXIT = saved[10]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -304,7 +304,7 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
 
 
 @torch.inference_mode()
-def test_split_attention_rows_do_not_depend_on_the_batch():
+def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
     """A verify row and the same row decoded alone get bit-identical attention (so greedy
     speculation matches plain decoding exactly), batched, and packed with its request's
     other verify rows; the ticket counters end at zero."""
@@ -323,6 +323,12 @@ def test_split_attention_rows_do_not_depend_on_the_batch():
                                               rows_per_request=rows_per_request)
             assert torch.equal(alone, together[i:i + 1])
     assert not ta._tickets[q.device].any()
+    # splits without keys leaving at once (IDLE_EXIT, the default) change nothing
+    monkeypatch.setattr(ta, "IDLE_EXIT", False)
+    assert torch.equal(ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs),
+                       together)
+    assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
+                                                 0.2, bs, rows_per_request=4), packed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -41,6 +41,10 @@ SPLITS = 16
 # docs/PERFORMANCE.md, 2l)
 SPLIT_CONFIG = (256, 8, 1)
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
+# A split without a key tile leaves at once: with the rows known (rows_per_request) before
+# its PDL wait, so it frees its SM (8 warps at ~250 registers fill one) while the qkv
+# kernel still runs, and the successor's launch waits only for the splits that work.
+IDLE_EXIT = True
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -108,7 +112,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        TRACING: tl.constexpr):
+        TRACING: tl.constexpr, IDLE_EXIT: tl.constexpr = True):
     stamp(TR, 0, TRACING)
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
@@ -133,6 +137,9 @@ def _paged_attention_kernel(
     t_lo = lo_min // BLOCK_N
     t_hi = pos_max // BLOCK_N
     t0 = _first_tile(split, t_lo, SPLITS)
+    if IDLE_EXIT:
+        if t0 > t_hi:       # no key tile for this split (it writes nothing, takes no ticket)
+            return
     n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
                                        kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
                                        BLOCK_N)
@@ -280,6 +287,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, TRACING=tr is not None, num_warps=warps, num_stages=stages,
+        PDL=pdl, TRACING=tr is not None, IDLE_EXIT=IDLE_EXIT, num_warps=warps,
+        num_stages=stages,
         **pdl_launch(pdl))
     return out

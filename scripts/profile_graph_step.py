@@ -384,7 +384,10 @@ def program_trace(launches, first: int = 2, last: int = 30) -> list[dict]:
             row = {"kernel": name, "programs": buf.shape[0],
                    "sms": int(buf[:, 4].unique().numel())}
             for col, what in enumerate(("start", "waited", "worked", "end")):
-                v = buf[:, col][buf[:, col] > 0].double()
+                # a program that leaves early (attention's splits without keys) stamps
+                # only its start: the rest of its row is whatever the memory held
+                ok = (buf[:, col] >= buf[:, 0]) & (buf[:, col] - buf[:, 0] < 10 ** 9)
+                v = buf[:, col][ok & (buf[:, col] > 0)].double()
                 if v.numel():
                     v = (v - t0) / 1e3
                     row[what] = torch.quantile(v, torch.tensor(

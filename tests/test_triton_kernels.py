@@ -72,8 +72,29 @@ def test_small_linear_preloading_several_tiles(pre, gated):
         got = small_linear(x, lin.weight, lin.bias, norm_weight=norm.weight, eps=norm.eps,
                            gated=gated, config=(16, 128, 4, 2, p))
         torch.testing.assert_close(got, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    with pytest.raises(ValueError, match="preload tiles must be a power of two"):
+    with pytest.raises(ValueError, match="preload tiles must be 0 or a power of two"):
         small_linear(x, lin.weight, config=(16, 64, 4, 2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@torch.inference_mode()
+def test_small_linear_without_preload_is_bit_identical(dtype, gated):
+    """PRE = 0 (wait first, every tile in the pipelined loop) adds the same tiles in the
+    same order as one preloaded tile: equal bits, with the residual + next-norm epilogue."""
+    lin, norm = linear_parts(600, 40, gated, False, dtype)
+    for rows in (1, 5):
+        x = torch.randn(rows, 600, device=DEV).to(dtype)
+        res = torch.randn(rows, 40, device=DEV).to(dtype)
+        outs = [small_linear(x, lin.weight, gated=gated, residual=res,
+                             norm_out=(norm.weight, norm.eps), config=(16, 128, 4, 2, p))
+                for p in (0, 1)]
+        assert torch.equal(outs[0][0], outs[1][0])
+        assert torch.equal(outs[0][1].x, outs[1][1].x)
+        assert torch.equal(outs[0][1].ss, outs[1][1].ss)
+        ref = fused_linear(lin, x, gated=gated, residual=res)
+        torch.testing.assert_close(outs[0][0].float(), ref.float(), atol=TOL[dtype],
+                                   rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -117,23 +117,33 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
     releases the next one after the stream (REL = 0), REL tiles before its end (REL > 0)
     or right after the wait (REL < 0)."""
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
-    # dependent launch they stream while that kernel finishes.
-    kp = tl.arange(0, PRE * BLOCK_K)
-    mask_p = n_ok[:, None] & (kp < K)[None, :]
-    w_p = tl.load(w_rows + kp[None, :], mask=mask_p, other=0.0)
-    wu_p = w_p
-    if GATED:
-        wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if REL < 0:
-            tl.extra.cuda.gdc_launch_dependents()
-    stamp(TR, 1, TRACING)
+    # dependent launch they stream while that kernel finishes. (ptxas stores such a tile to
+    # shared memory for the dot before the wait, so the wait returns only once it has
+    # arrived; with PRE = 0 a program launched after its predecessor's end waits at once
+    # and its pipelined loads leave right after.)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
-                  mask=m_ok[:, None] & (kp < K)[None, :], other=0.0)
-    acc, acc_up = _accumulate(acc, acc_up, x_p, w_p, wu_p, GATED, IEEE)
+    if PRE == 0:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            if REL < 0:
+                tl.extra.cuda.gdc_launch_dependents()
+        stamp(TR, 1, TRACING)
+    else:
+        kp = tl.arange(0, PRE * BLOCK_K)
+        mask_p = n_ok[:, None] & (kp < K)[None, :]
+        w_p = tl.load(w_rows + kp[None, :], mask=mask_p, other=0.0)
+        wu_p = w_p
+        if GATED:
+            wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            if REL < 0:
+                tl.extra.cuda.gdc_launch_dependents()
+        stamp(TR, 1, TRACING)
+        x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
+                      mask=m_ok[:, None] & (kp < K)[None, :], other=0.0)
+        acc, acc_up = _accumulate(acc, acc_up, x_p, w_p, wu_p, GATED, IEEE)
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_rows + k[None, :]
     x_ptrs = X + m[:, None] * stride_xm + k[None, :]
@@ -325,9 +335,10 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
     where (H200, 8B shape, docs/PERFORMANCE.md 2f and 2m)
     - a square projection (o_proj, after attention) streams 8 tiles deep (172 KB): plain
       batch 1 4.34-4.43 vs 4.49-4.52 ms in alternating benchmark processes;
-    - a projection down to fewer outputs than inputs (the MLP's down, EAGLE-3's fc) 6 deep
-      (120 KB, so one program an SM, with room for one of the next qkv's beside it): 4.132
-      vs 4.145 ms;
+    - a projection down to fewer outputs than inputs (the MLP's down, EAGLE-3's fc) in
+      16-row tiles, 2 warps, 6 deep (80 KB: two programs on most SMs, where 32-row tiles
+      left 4 of 132 SMs idle; one of the next qkv's fits beside one): 4.052 / 4.048 /
+      4.054 / 4.056 vs 4.062 / 4.064 / 4.066 / 4.066 ms (2p);
     - a vocabulary-sized one (lm_head, N >= 64K) in 64 x 128 tiles, 4 deep: 237.5 vs 244.8
       us for the 128256 x 4096 lm_head with its argmax."""
     if gated:
@@ -335,7 +346,7 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
     if deep and n >= 1 << 16:
         return 64, 128, 4, 4
     if deep and k > n:
-        return 32, 256, 4, 6
+        return 16, 256, 2, 6
     return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
 
 
@@ -343,8 +354,8 @@ def _tiling(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]) with PRE (default 1) checked."""
     block_n, block_k, warps, stages, *preload = config
     preload = preload[0] if preload else 1
-    if preload < 1 or preload & (preload - 1):
-        raise ValueError(f"small_linear: config's preload tiles must be a power of two >= 1, "
+    if preload < 0 or preload & (preload - 1):
+        raise ValueError(f"small_linear: config's preload tiles must be 0 or a power of two, "
                          f"got {preload}")
     return block_n, block_k, warps, stages, preload
 

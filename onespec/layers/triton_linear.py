@@ -121,26 +121,21 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
     # shared memory for the dot before the wait, so the wait returns only once it has
     # arrived; with PRE = 0 a program launched after its predecessor's end waits at once
     # and its pipelined loads leave right after.)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    if PRE == 0:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            if REL < 0:
-                tl.extra.cuda.gdc_launch_dependents()
-        stamp(TR, 1, TRACING)
-    else:
+    if PRE > 0:
         kp = tl.arange(0, PRE * BLOCK_K)
         mask_p = n_ok[:, None] & (kp < K)[None, :]
         w_p = tl.load(w_rows + kp[None, :], mask=mask_p, other=0.0)
         wu_p = w_p
         if GATED:
             wu_p = tl.load(w_rows + N * stride_wn + kp[None, :], mask=mask_p, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            if REL < 0:
-                tl.extra.cuda.gdc_launch_dependents()
-        stamp(TR, 1, TRACING)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        if REL < 0:
+            tl.extra.cuda.gdc_launch_dependents()
+    stamp(TR, 1, TRACING)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    if PRE > 0:
         x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
                       mask=m_ok[:, None] & (kp < K)[None, :], other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, x_p, w_p, wu_p, GATED, IEEE)

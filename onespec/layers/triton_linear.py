@@ -398,8 +398,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     residual: also return the next RMSNorm of the result as a Prenormed, i.e. returns
     (y, Prenormed). argmax: return y.argmax(-1) [M] int64 instead of y (y, in out_dtype,
     is never written), plus argmax_offsets[argmax] [N] int64 if given.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (a power of two, default 1)
-    the number of weight tiles loaded before waiting for the previous kernel.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]), PRE (0 or a power of two,
+    default 1) the number of weight tiles loaded before waiting for the previous kernel.
     early_release: the next kernel may launch as soon as this one's wait returns (its
     programs must fit beside this one's, one per SM: e.g. the next layer's qkv after the
     MLP's down projection); otherwise after this one's weight stream."""

@@ -24,7 +24,9 @@ bench/decode.py), prints one JSON line per mode:
     before it let their successor launch right after their own wait), early=N:K:gated
     (that GEMV too), mlp=1 (gate_up and down as triton_mlp's persistent kernel instead of
     two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]),
-    attn_idle=0|1 (attention's splits without keys leave before their wait); '+' joins
+    attn_idle=0|1 (attention's splits without keys leave before their wait),
+    attn_merge=loop|unrolled (the last split loads the partials split by split, or all at
+    once); '+' joins
     knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
@@ -224,7 +226,8 @@ def apply_variant(spec: str):
     """Sets the knobs of one --variants entry; returns the function that restores them."""
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
              tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
-             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT)
+             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT,
+             ta.MERGE_UNROLLED)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -247,6 +250,8 @@ def apply_variant(spec: str):
             ta.triton_paged_attention = functools.partial(saved[2], config=cfg[:3])
         elif name == "attn_idle" and value in ("0", "1"):
             ta.IDLE_EXIT = value == "1"
+        elif name == "attn_merge" and value in ("loop", "unrolled"):
+            ta.MERGE_UNROLLED = value == "unrolled"
         elif name == "mlp" and value in ("0", "1"):
             tmlp.ENABLED = value == "1"
         elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
@@ -262,7 +267,7 @@ def apply_variant(spec: str):
         tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
         tmlp.CONFIG.clear()
         tmlp.CONFIG.update(saved[9])
-        ta.IDLE_EXIT = saved[10]
+        ta.IDLE_EXIT, ta.MERGE_UNROLLED = saved[10:12]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

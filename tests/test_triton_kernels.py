@@ -328,7 +328,8 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
 def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
     """A verify row and the same row decoded alone get bit-identical attention (so greedy
     speculation matches plain decoding exactly), batched, and packed with its request's
-    other verify rows; the ticket counters end at zero."""
+    other verify rows; the ticket counters end at zero. Idle splits leaving at once and
+    either merge (all splits' loads at once, or one split after another) change nothing."""
     from onespec.layers import triton_attention as ta
     q, kc, vc, tables, positions, bs = _attention_case(torch.float32, 4, 2, 32, [4, 1],
                                                       [900, 60])
@@ -350,6 +351,13 @@ def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
                        together)
     assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
                                                  0.2, bs, rows_per_request=4), packed)
+    # the merge loading split after split (MERGE_UNROLLED off) gives the same bits
+    monkeypatch.setattr(ta, "MERGE_UNROLLED", False)
+    assert torch.equal(ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs),
+                       together)
+    assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
+                                                 0.2, bs, rows_per_request=4), packed)
+    assert not ta._tickets[q.device].any()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -45,6 +45,9 @@ PRELOAD = True          # read older keys before waiting for the rotary kernel (
 # its PDL wait, so it frees its SM (8 warps at ~250 registers fill one) while the qkv
 # kernel still runs, and the successor's launch waits only for the splits that work.
 IDLE_EXIT = True
+# The last split merges the partials with every split's loads in flight at once (one L2
+# round trip) instead of one split after another (see _merge_splits)
+MERGE_UNROLLED = True
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -112,7 +115,8 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        TRACING: tl.constexpr, IDLE_EXIT: tl.constexpr = True):
+        TRACING: tl.constexpr, IDLE_EXIT: tl.constexpr = True,
+        MERGE_UNROLLED: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16):
     stamp(TR, 0, TRACING)
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
@@ -179,8 +183,16 @@ def _paged_attention_kernel(
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)
     else:
-        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, t_lo, t_hi,
-                      pack * num_kv_heads + kv_head, split, g, d, GROUP_PAD, DIM_PAD, SPLITS)
+        # the merge holds only the real rows (fewer registers a split, so the loads of
+        # every split can be in flight together)
+        gm = tl.arange(0, MERGE_ROWS)
+        gm_ok = gm < ROWS * GROUP
+        merge_ptrs = OUT + (pack * ROWS + gm // GROUP)[:, None] * stride_ot + \
+            (kv_head * GROUP + gm % GROUP)[:, None] * stride_oh + d[None, :]
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, merge_ptrs,
+                      gm_ok[:, None] & d_ok[None, :], t_lo, t_hi,
+                      pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, GROUP_PAD,
+                      DIM_PAD, MERGE_ROWS, SPLITS, MERGE_UNROLLED)
     stamp(TR, 3, TRACING)
 
 
@@ -192,13 +204,20 @@ def _store_normalised(out_ptrs, acc, l, out_mask):
 
 
 @triton.jit
-def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo, t_hi, unit,
-                  split, g, d, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                  SPLITS: tl.constexpr):
+def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge_ptrs,
+                  merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d,
+                  GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                  SPLITS: tl.constexpr, UNROLLED: tl.constexpr):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
     merges them all in split order (the same arithmetic whichever program comes last;
     a split with no key visible to a row adds exact zeros to it). Splits without keys
-    leave at once; keys within one tile need no merge."""
+    leave at once; keys within one tile need no merge. Only the tile's real rows are
+    stored (g_ok) and merged (the first MERGE_ROWS rows; merge_ptrs, merge_mask).
+
+    UNROLLED: the merge loop is unrolled and each split's loads are predicated rather than
+    branched over, so they can all be in flight at once (one L2 round trip for the
+    partials instead of one per split); a split without keys leaves the state as it is,
+    so the result is the same as the loop's."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
     if t_hi == t_lo:
@@ -206,31 +225,59 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, t_lo,
         _store_normalised(out_ptrs, acc, l, out_mask)
         return
     base = unit * SPLITS
-    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc)
-    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m)
-    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l)
+    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc,
+             mask=out_mask)
+    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m, mask=g_ok)
+    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l, mask=g_ok)
     # release: the partials above are visible to whoever draws the last ticket (acquire)
     ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
     if ticket == tl.minimum(t_hi - t_lo + 1, SPLITS) - 1:
         tl.store(TICKETS + unit, 0)                     # ready for the next launch
-        m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_all = tl.zeros([GROUP_PAD], tl.float32)
-        o_all = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for s in range(0, SPLITS):
-            if _first_tile(s, t_lo, SPLITS) <= t_hi:
-                o_s = tl.load(PART_O + ((base + s) * GROUP_PAD + g[:, None]) * DIM_PAD
-                              + d[None, :], cache_modifier=".cg")
-                m_s = tl.load(PART_ML + ((base + s) * 2) * GROUP_PAD + g, cache_modifier=".cg")
-                l_s = tl.load(PART_ML + ((base + s) * 2 + 1) * GROUP_PAD + g,
-                              cache_modifier=".cg")
-                m_new = tl.maximum(m_all, m_s)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.exp(m_all - m_safe)
-                b = tl.exp(m_s - m_safe)
-                l_all = l_all * a + l_s * b
-                o_all = o_all * a[:, None] + o_s * b[:, None]
-                m_all = m_new
-        _store_normalised(out_ptrs, o_all, l_all, out_mask)
+        m_all = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+        l_all = tl.zeros([MERGE_ROWS], tl.float32)
+        o_all = tl.zeros([MERGE_ROWS, DIM_PAD], tl.float32)
+        if UNROLLED:
+            for s in tl.static_range(SPLITS):
+                has = _first_tile(s, t_lo, SPLITS) <= t_hi
+                o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
+                                              merge_mask, has, GROUP_PAD, DIM_PAD)
+                m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+                m_all = tl.where(has, m_new, m_all)
+                l_all = tl.where(has, l_new, l_all)
+                o_all = tl.where(has, o_new, o_all)
+        else:
+            for s in range(0, SPLITS):
+                has = _first_tile(s, t_lo, SPLITS) <= t_hi
+                if has:
+                    o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
+                                                  merge_mask, has, GROUP_PAD, DIM_PAD)
+                    m_all, l_all, o_all = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+        _store_normalised(merge_ptrs, o_all, l_all, merge_mask)
+
+
+@triton.jit
+def _load_partial(PART_O, PART_ML, slot, g, g_ok, d, mask, has, GROUP_PAD: tl.constexpr,
+                  DIM_PAD: tl.constexpr):
+    """One split's stored (acc, m, l) of rows g, from L2 (other programs wrote it), if
+    `has`. (tl.where, not `&`: Triton's interpreter rejects a scalar anded with a tensor.)"""
+    o_s = tl.load(PART_O + (slot * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :],
+                  mask=tl.where(has, mask, False), other=0.0, cache_modifier=".cg")
+    rows_ok = tl.where(has, g_ok, False)
+    m_s = tl.load(PART_ML + (slot * 2) * GROUP_PAD + g, mask=rows_ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    l_s = tl.load(PART_ML + (slot * 2 + 1) * GROUP_PAD + g, mask=rows_ok, other=0.0,
+                  cache_modifier=".cg")
+    return o_s, m_s, l_s
+
+
+@triton.jit
+def _merge_one(m_all, l_all, o_all, m_s, l_s, o_s):
+    """The running merge's state after one more split's partial softmax state."""
+    m_new = tl.maximum(m_all, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m_all - m_safe)
+    b = tl.exp(m_s - m_safe)
+    return m_new, l_all * a + l_s * b, o_all * a[:, None] + o_s * b[:, None]
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
@@ -287,7 +334,8 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, TRACING=tr is not None, IDLE_EXIT=IDLE_EXIT, num_warps=warps,
+        PDL=pdl, TRACING=tr is not None, IDLE_EXIT=IDLE_EXIT, MERGE_UNROLLED=MERGE_UNROLLED,
+        MERGE_ROWS=triton.next_power_of_2(pack * group), num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))
     return out

@@ -72,6 +72,13 @@ def _first_tile(split, t_lo, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(pack, kv_head, g, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """The query row and head of tile rows g: row g // GROUP of the pack, head g % GROUP
+    of the kv head's group."""
+    return pack * ROWS + g // GROUP, kv_head * GROUP + g % GROUP
+
+
+@triton.jit
 def _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max, kv_head, stride_ct,
                   stride_ch, d, d_ok, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tile t of request req: positions n [N] and the cache offsets of their
@@ -129,8 +136,7 @@ def _paged_attention_kernel(
     d = tl.arange(0, DIM_PAD)
     g_ok = g < ROWS * GROUP
     d_ok = d < HEAD_DIM
-    row = pack * ROWS + g // GROUP
-    head = kv_head * GROUP + g % GROUP
+    row, head = _tile_rows(pack, kv_head, g, ROWS, GROUP)
     req = tl.load(TOKEN_REQ + pack * ROWS)
     pos = tl.load(POSITIONS + row, mask=g_ok, other=0)                  # [G]
     lo = tl.maximum(pos - window + 1, 0)
@@ -187,8 +193,8 @@ def _paged_attention_kernel(
         # every split can be in flight together)
         gm = tl.arange(0, MERGE_ROWS)
         gm_ok = gm < ROWS * GROUP
-        merge_ptrs = OUT + (pack * ROWS + gm // GROUP)[:, None] * stride_ot + \
-            (kv_head * GROUP + gm % GROUP)[:, None] * stride_oh + d[None, :]
+        m_row, m_head = _tile_rows(pack, kv_head, gm, ROWS, GROUP)
+        merge_ptrs = OUT + m_row[:, None] * stride_ot + m_head[:, None] * stride_oh + d[None, :]
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, merge_ptrs,
                       gm_ok[:, None] & d_ok[None, :], t_lo, t_hi,
                       pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, GROUP_PAD,

@@ -117,6 +117,11 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))
+    yield ("residual add + rms_norm (rows beyond the decode kernels)",
+           tl_._add_rms_norm_kernel, {n: "*bf16" for n in ("Y", "RES", "W", "H", "XN")} |
+           {"eps": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
+    yield ("silu * up (rows beyond the decode kernels)", tl_._silu_mul_kernel,
+           {"Y": "*bf16", "OUT": "*bf16"}, {"BLOCK": 2048, "PDL": pdl}, (4, 3))
     yield ("embed + norms (EAGLE-3 input)", tl_._embed_norm_concat_kernel,
            {"IDS": "*i64", "TABLE": "*bf16", "HID": "*bf16", "W_E": "*bf16", "W_H": "*bf16",
             "Y": "*bf16", "eps_e": "fp32", "eps_h": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
@@ -145,6 +150,11 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": split_n, "SPLITS": ta.SPLITS, "RPR": 1,
             "IEEE": False}, (split_warps, split_stages))
+    rows_n, rows_warps, rows_stages = ta.ROWS_CONFIG
+    yield ("attention bf16 batched decode (4-row verify packs, no split)",
+           ta._paged_attention_kernel, attn,
+           {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": 1, "RPR": 4, "RPR_PAD": 4,
+            "IEEE": False, "MERGE_ROWS": 16}, (rows_warps, rows_stages))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

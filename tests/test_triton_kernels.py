@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_eagle3_head, make_hf_model
@@ -36,11 +37,13 @@ def linear_parts(k: int, n: int, gated: bool, bias: bool, dtype, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 20])
 @pytest.mark.parametrize("kind", ["plain", "bias", "norm", "gated", "norm-gated-bias",
                                   "residual", "norm-fp32-out"])
 @torch.inference_mode()
 def test_small_linear_matches_torch(dtype, rows, kind):
+    """Decode-sized rows (one small_linear kernel) and 20 rows (cuBLAS with the norm and
+    SiLU * up as Triton row kernels) against the PyTorch path."""
     k, n = 600, 40          # K spans two tiles with a ragged end; N is not a tile multiple
     gated = "gated" in kind
     lin, norm = linear_parts(k, n, gated, "bias" in kind, dtype)
@@ -188,6 +191,36 @@ def test_small_linear_rejects_bad_shapes():
         small_linear(torch.zeros(1, 32, device=DEV), w, norm_out=(torch.ones(8), 1e-6))
     with pytest.raises(ValueError, match="argmax takes neither"):
         small_linear(torch.zeros(1, 32, device=DEV), w, gated=True, argmax=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [600, 5000])
+@torch.inference_mode()
+def test_row_kernels_match_torch(dtype, k):
+    """The row kernels around cuBLAS linears: residual add + RMSNorm (the sum rounded
+    exactly as `residual + y`; K = 5000 spans two 4096-wide blocks) and SiLU * up."""
+    from onespec.layers.linear import fused_add_rms_norm
+    from onespec.layers.triton_linear import silu_mul
+    torch.manual_seed(0)
+    y, res = (torch.randn(19, k, device=DEV).to(dtype) for _ in range(2))
+    norm = RMSNorm(k, 1e-5).to(DEV, dtype)
+    nn.init.uniform_(norm.weight, 0.5, 1.5)
+    h, xn = fused_add_rms_norm(norm, y, res, fast=True)
+    h_ref, xn_ref = fused_add_rms_norm(norm, y, res)
+    assert h.dtype == xn.dtype == dtype
+    tol = TOL[dtype]
+    if dtype == torch.float32 or DEV == "cuda":    # the interpreter truncates to bf16
+        assert torch.equal(h, h_ref)
+    torch.testing.assert_close(h.float(), h_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(xn.float(), xn_ref.float(), atol=tol, rtol=tol)
+    gu = torch.randn(19, 2 * k, device=DEV).to(dtype) * 4
+    act = silu_mul(gu)
+    gate, up = gu.chunk(2, -1)
+    torch.testing.assert_close(act.float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match=r"must be \[rows, 2 \* N\]"):
+        silu_mul(gu[:, 1:])
+    with pytest.raises(ValueError, match="must be the same"):
+        fused_add_rms_norm(norm, y, res[:, 1:], fast=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -453,7 +486,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 19
+    assert len(rows) == 22
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents

@@ -7,8 +7,10 @@
     y = residual + y                       (residual optional)
 
 With `fast` set (CUDA, Triton available) and a decode-sized batch it runs as one Triton
-kernel that streams the weight once (layers/triton_linear.py); otherwise, and always on the
-CPU or under autograd, as the PyTorch operations above, which are also the reference.
+kernel that streams the weight once (layers/triton_linear.py); larger batches with `fast`
+run the layer through cuBLAS with the norm and SiLU * up as Triton row kernels; otherwise,
+and always on the CPU or under autograd, as the PyTorch operations above, which are also
+the reference.
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ def decode_sized(x: torch.Tensor, fast: bool) -> bool:
     return fast and x.dim() == 2 and x.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled()
 
 
+def row_kernels(x: torch.Tensor, fast: bool) -> bool:
+    """Whether rows x [M, K] take Triton row kernels (RMSNorm, residual add + RMSNorm,
+    SiLU * up) around their cuBLAS linears: `fast` set and no autograd."""
+    return fast and x.dim() == 2 and not torch.is_grad_enabled()
+
+
 def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = None,
                  gated: bool = False, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, fast: bool = False) -> torch.Tensor:
@@ -36,8 +44,11 @@ def fused_linear(layer: nn.Linear, x: torch.Tensor, *, norm: RMSNorm | None = No
                             norm_weight=None if norm is None else norm.weight,
                             eps=1e-6 if norm is None else norm.eps, gated=gated,
                             residual=residual, out_dtype=out_dtype)
-    y = layer(x if norm is None else norm(x))
-    if gated:
+    y = layer(x if norm is None else fused_rms_norm(norm, x, fast))
+    if gated and row_kernels(y, fast):
+        from onespec.layers.triton_linear import silu_mul
+        y = silu_mul(y)
+    elif gated:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
     if residual is not None:
@@ -65,10 +76,20 @@ def fused_rms_norm(norm: RMSNorm, x: torch.Tensor, fast: bool = False,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x), as one Triton kernel when `fast` (optionally into `out`, e.g. a column slice
     of a concatenation), else the module itself."""
-    if fast and x.dim() == 2 and not torch.is_grad_enabled():
+    if row_kernels(x, fast):
         from onespec.layers.triton_linear import rms_norm
         return rms_norm(x, norm.weight, norm.eps, out)
     y = norm(x)
     if out is not None:
         out.copy_(y)
     return y
+
+
+def fused_add_rms_norm(norm: RMSNorm, y: torch.Tensor, residual: torch.Tensor,
+                       fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)) for h = residual + y: one Triton kernel when `fast`, else PyTorch."""
+    if row_kernels(y, fast):
+        from onespec.layers.triton_linear import add_rms_norm
+        return add_rms_norm(y, residual, norm.weight, norm.eps)
+    h = residual + y
+    return h, norm(h)

@@ -40,6 +40,10 @@ SPLITS = 16
 # and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles;
 # docs/PERFORMANCE.md, 2l)
 SPLIT_CONFIG = (256, 8, 1)
+# launches of more rows, where every request has a few (decode steps and verifies of larger
+# batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
+# batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling; docs/PERFORMANCE.md 2r)
+ROWS_CONFIG = (128, 4, 2)
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
 # A split without a key tile leaves at once: with the rows known (rows_per_request) before
 # its PDL wait, so it frees its SM (8 warps at ~250 registers fill one) while the qkv
@@ -313,8 +317,12 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     if config is None:
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
-        config = (SPLIT_CONFIG if wide else (narrow, 4, 2)) if splits > 1 else \
-            (256, 8, 3) if wide else (narrow, 4, 3)
+        if splits > 1:
+            config = SPLIT_CONFIG if wide else (narrow, 4, 2)
+        elif 0 < rpr <= MAX_SPLIT_ROWS:
+            config = ROWS_CONFIG if wide else (narrow, 4, 2)
+        else:
+            config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
     pdl = pdl_supported(q.device)
     group_pad = max(16, triton.next_power_of_2(group))

@@ -324,6 +324,76 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
+# Row kernels around the cuBLAS linears of batches beyond MAX_ROWS rows: PyTorch's RMSNorm
+# is four elementwise kernels and SiLU * up two (H200, 8B shape, batch 32: ~30 us a layer
+# of such kernels around 120 us of GEMMs; docs/PERFORMANCE.md 2r).
+
+@triton.jit
+def _add_rms_norm_kernel(Y, RES, W, H, XN, K, stride_y, stride_r, stride_h, stride_xn, eps,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dt = H.dtype.element_ty
+    k = tl.arange(0, BLOCK)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + k < K
+        y = tl.load(Y + row * stride_y + k0 + k, mask=ok, other=0.0).to(tl.float32)
+        r = tl.load(RES + row * stride_r + k0 + k, mask=ok, other=0.0).to(tl.float32)
+        # rounded to the stream's dtype, as PyTorch's residual + y
+        tl.store(H + row * stride_h + k0 + k, (r + y).to(dt), mask=ok)
+    # the sum just stored is read back by the same threads that wrote it
+    _rms_row(H + row * stride_h, W, XN + row * stride_xn, K, eps, BLOCK)
+
+
+def add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = residual + y and RMSNorm(h) * weight for rows [M, K], one program per row:
+    (h, normed), as `residual + y` followed by rms_norm."""
+    if y.shape != residual.shape or y.dim() != 2:
+        raise ValueError(f"add_rms_norm: y {tuple(y.shape)} and residual "
+                         f"{tuple(residual.shape)} must be the same [rows, K]")
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    h, xn = torch.empty_like(residual), torch.empty_like(residual)
+    if y.shape[0]:
+        pdl = pdl_supported(y.device)
+        _add_rms_norm_kernel[(y.shape[0],)](
+            y, residual, weight, h, xn, y.shape[1], y.stride(0), residual.stride(0),
+            h.stride(0), xn.stride(0), eps, BLOCK=min(4096, triton.next_power_of_2(y.shape[1])),
+            PDL=pdl, num_warps=8, **pdl_launch(pdl))
+    return h, xn
+
+
+@triton.jit
+def _silu_mul_kernel(Y, OUT, N, stride_y, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    gate = tl.load(Y + row * stride_y + n, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(Y + row * stride_y + N + n, mask=ok, other=0.0)
+    dt = OUT.dtype.element_ty
+    # as F.silu(gate) * up: the SiLU rounded to the dtype, then the product
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(tl.float32)
+    tl.store(OUT + row * stride_o + n, act.to(dt), mask=ok)
+
+
+def silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :N]) * y[:, N:] for y [M, 2N] (a gated MLP's [gate; up] projection)."""
+    if y.dim() != 2 or y.shape[1] % 2:
+        raise ValueError(f"silu_mul: y must be [rows, 2 * N], got {tuple(y.shape)}")
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    n = y.shape[1] // 2
+    out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
+    if y.shape[0] and n:
+        block = min(2048, triton.next_power_of_2(n))
+        pdl = pdl_supported(y.device)
+        _silu_mul_kernel[(y.shape[0], triton.cdiv(n, block))](
+            y, out, n, y.stride(0), out.stride(0), BLOCK=block, PDL=pdl, num_warps=4,
+            **pdl_launch(pdl))
+    return out
+
+
 def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from scripts/sweep_small_linear.py on an
     H200 (docs/PERFORMANCE.md). `deep`: 16-bit weights on a GPU with Hopper's shared memory,

@@ -341,7 +341,9 @@ def _add_rms_norm_kernel(Y, RES, W, H, XN, K, stride_y, stride_r, stride_h, stri
         r = tl.load(RES + row * stride_r + k0 + k, mask=ok, other=0.0).to(tl.float32)
         # rounded to the stream's dtype, as PyTorch's residual + y
         tl.store(H + row * stride_h + k0 + k, (r + y).to(dt), mask=ok)
-    # the sum just stored is read back by the same threads that wrote it
+    # the sums are read back below, maybe by other threads of the program: a block-wide
+    # barrier makes its global stores visible to all of them
+    tl.debug_barrier()
     _rms_row(H + row * stride_h, W, XN + row * stride_xn, K, eps, BLOCK)
 
 

@@ -5,6 +5,8 @@
 #                PROFILE=1 runs it without variants, PROFILE_ARGS appended, e.g. --trace)
 #   AB=auto|v,w  the plain batch-1 benchmark of variants in alternating processes
 #   BENCH=1      bench/decode.py at batch 1 and 32, K 0 and 3 (BENCH_ARGS appended)
+#   CAPTURE=1    graph capture of every bucket up to 64 for K=3 with a cold Triton cache,
+#                buckets warmed up in threads and (CAPTURE_SERIAL=1) one by one
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ "${TESTS:-0}" = 1 ]; then
 ONESPEC_TEST_DEVICE=cuda timeout ${TESTS_S:-280} python -m pytest ${TEST_FILES:-tests/test_cuda.py tests/test_chain.py tests/test_triton_kernels.py} -q -x -p no:cacheprovider -k "${TEST_K:-not compile}" \
@@ -48,5 +50,12 @@ for l in open('$OUT/decode${BENCH_TAG}.jsonl'):
     d = json.loads(l)
     print(d.get('engine'), d.get('batch'), d.get('k'), d.get('step_ms'), d.get('floor_ms'),
           d.get('hbm_fraction'), d.get('tok_s'), d.get('speedup'), d.get('overlap_scheduler'), d.get('error'))"
+fi
+if [ "${CAPTURE:-0}" = 1 ]; then
+for threads in 0 $([ "${CAPTURE_SERIAL:-0}" = 1 ] && echo 1); do
+timeout ${CAPTURE_S:-200} python scripts/capture_time.py --max-batch 64 --k 3 --cold \
+  --threads $threads >> $OUT/capture_time.jsonl 2>> $OUT/capture_time.log
+done
+cat $OUT/capture_time.jsonl
 fi
 exit 0

@@ -97,6 +97,39 @@ def test_cuda_graphs_agree_with_eager(pair, k, num_prompts):
     assert runs[1][0] == [hf_greedy(hf, p, 24) for p in PROMPTS[:num_prompts]]
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_capture_warm_up_in_threads(pair, k, monkeypatch):
+    """The buckets warmed up side by side before capture (compiling in threads) give the
+    same greedy tokens as warming them up one by one, and leave attention's ticket
+    counters zero."""
+    from onespec import LLM, Eagle3Config, SamplingParams
+    from onespec.engine import cuda_graph
+    from onespec.layers import triton_attention as ta
+    target, hf, head = pair
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = Eagle3Config(head, max_draft_len=k) if k else None
+    runs = []
+    real = cuda_graph.CudaGraphRunner._step
+    for threads in (1, 4):
+        monkeypatch.setattr(cuda_graph, "COMPILE_THREADS", threads)
+        warmed = []
+        monkeypatch.setattr(cuda_graph.CudaGraphRunner, "_step",
+                            lambda self, b, k, buf=None: (warmed.append(buf is not None),
+                                                          real(self, b, k, buf))[1])
+        llm = LLM(target, device="cuda", dtype="float32", max_batch_size=8,
+                  speculative_config=spec)
+        buckets = llm.engine.runner.graphs.buckets
+        # threads: one warm-up per bucket on its own buffers, then the capture loop's two
+        assert warmed.count(True) == (len(buckets) if threads > 1 else 0)
+        assert warmed.count(False) == 2 * len(buckets)
+        assert not ta._tickets[torch.device("cuda", 0)].any()
+        outs = llm.generate(PROMPTS, sp)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert llm.engine.runner.graphs.num_replays > 0
+        assert_pool_full(llm)
+    assert runs[0] == runs[1] == [hf_greedy(hf, p, 24) for p in PROMPTS]
+
+
 def test_cuda_graphs_forced_acceptance(pair):
     from onespec import LLM, Eagle3Config, SamplingParams
     target, _, head = pair

@@ -13,6 +13,8 @@ one is read.
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +36,9 @@ class PendingStep:
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# threads warming the buckets up before capture (compiling their Triton kernels side by
+# side); 1 warms them up one by one inside the capture loop
+COMPILE_THREADS = os.cpu_count() or 1
 
 
 class CudaGraphRunner:
@@ -95,11 +100,11 @@ class CudaGraphRunner:
         [b], next drafts [b, k] (chain.py reads them in this order)."""
         return b * (2 * k + 2)
 
-    def _step(self, b: int, k: int):
+    def _step(self, b: int, k: int, buf: dict | None = None):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
-        results to `prev`."""
+        results to `prev` (of `buf`, by default draft length k's buffers)."""
         from onespec.engine.chain import chain_inputs
-        buf = self._buffers(k)
+        buf = buf or self._buffers(k)
         layout = self._layout(b, k)
         o_ids, o_pos, o_drafts, o_tables, _, _ = layout
         dev = buf["dev"]
@@ -160,6 +165,7 @@ class CudaGraphRunner:
                 if (b, k, key_a) not in self.graphs]
         buf = self._buffers(k)
         torch.cuda.synchronize(self.device)   # no launched step still reads dev or prev
+        self._compile_ahead(todo, k)
         for b in tqdm(todo, desc=f"capturing CUDA graphs (K={k})", leave=False):
             end = self._layout(b, k)[-1]
             self._fill_inputs([], b, k, buf["host"][0])      # all padding: the scratch block
@@ -173,6 +179,37 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(b, k)
             self.graphs[(b, k, key_a)] = graph
+
+    def _compile_ahead(self, buckets: list[int], k: int):
+        """Runs one step of every bucket at once, one thread each, before the capture loop.
+
+        Nearly all of a first capture's time is Triton compiling the kernels, one
+        specialisation after another, and the buckets need different ones (row counts, the
+        decode kernels or the row path). Triton's compiler releases the GIL for most of its
+        work, so the threads compile side by side. Every thread queues its work on one
+        stream, so kernels sharing state (attention's ticket counters, which each launch
+        leaves zero) run one after another as in a serial warm-up; each bucket has its own
+        inputs (all padding) and results, and nothing else computed here is kept: the
+        capture loop warms up each bucket again, then with every kernel compiled."""
+        threads = min(len(buckets), COMPILE_THREADS)
+        if threads < 2:
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def warm_up(b: int):
+            host = torch.zeros(self._layout(b, k)[-1], dtype=torch.int64)
+            self._fill_inputs([], b, k, host)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                buf = {"dev": host.to(self.device),
+                       "prev": torch.zeros(self._results_size(b, k), dtype=torch.int64,
+                                           device=self.device)}
+                self._step(b, k, buf)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(tqdm(pool.map(warm_up, buckets), total=len(buckets), leave=False,
+                      desc=f"compiling kernels for {len(buckets)} buckets (K={k})"))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     # ---- replay ------------------------------------------------------------------------
     def can_chain(self, prev: PendingStep, batch: ScheduledBatch) -> bool:

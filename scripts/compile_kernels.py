@@ -54,7 +54,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
-                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1)
+                  NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1, ROWS=16)
     gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
     yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
@@ -65,6 +65,12 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("small_linear residual+norm_out, square (o_proj) on sm_90", tl_._small_linear_kernel,
            ptrs, {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
                   "NORM_OUT": True}, deep_cfg[2:])
+    # batch 32's decode step: 32-row tiles, the pipeline shortened to keep programs per SM
+    stages32 = tl_._stages_for_rows(deep_cfg[0], deep_cfg[1], deep_cfg[3], 32, 2, 2, SMEM_LIMIT)
+    yield ("small_linear residual+norm_out, square (o_proj), 32-row tile",
+           tl_._small_linear_kernel, ptrs,
+           {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
+            "NORM_OUT": True, "ROWS": 32}, (deep_cfg[2], stages32))
     down_cfg = tl_._config(4096, 14336, False, True)     # the 8B shape's, on sm_90
     yield ("small_linear residual+norm_out, early release (down before qkv)",
            tl_._small_linear_kernel, ptrs,
@@ -86,12 +92,16 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
                 "RESIDUAL": not gated}, (warps, stages))
     qkv_cfg = tl_._config(6144, 4096, False)
-    yield ("qkv + rotary + KV write (prenormed)", tl_._qkv_rope_kernel,
-           {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "BLOCK_TABLES": "*i64",
-            "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"},
-           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
-            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
-            "PRENORMED": True, "IEEE": False, "PDL": pdl, "REL": -1}, qkv_cfg[2:])
+    qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "BLOCK_TABLES": "*i64",
+                 "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
+    qkv = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
+           "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
+           "PRENORMED": True, "IEEE": False, "PDL": pdl, "REL": -1, "ROWS": 16}
+    yield ("qkv + rotary + KV write (prenormed)", tl_._qkv_rope_kernel, qkv_types, qkv,
+           qkv_cfg[2:])
+    stages32 = tl_._stages_for_rows(qkv_cfg[0], qkv_cfg[1], qkv_cfg[3], 32, 2, 2, SMEM_LIMIT)
+    yield ("qkv + rotary + KV write (prenormed), 32-row tile", tl_._qkv_rope_kernel,
+           qkv_types, {**qkv, "ROWS": 32}, (qkv_cfg[2], stages32))
     if pdl:                         # the persistent MLP runs on Hopper only
         cfg = tm.CONFIG
         yield ("fused MLP, 8B shape (gate_up + down, next norm)",

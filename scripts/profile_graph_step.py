@@ -26,7 +26,8 @@ bench/decode.py), prints one JSON line per mode:
     two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]),
     attn_idle=0|1 (attention's splits without keys leave before their wait),
     attn_merge=loop|unrolled (the last split loads the partials split by split, or all at
-    once); '+' joins
+    once), max_rows=16|32 (the most rows a forward sends through the decode kernels; more
+    go through cuBLAS with the row kernels); '+' joins
     knobs into one variant;
   - with --trace, the programs of each kernel of a layer from stamps they write themselves
     (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
@@ -50,6 +51,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
+from onespec.layers import linear as lin
 from onespec.layers import triton_attention as ta
 from onespec.layers import triton_linear as tlin
 from onespec.layers import triton_mlp as tmlp
@@ -227,7 +229,7 @@ def apply_variant(spec: str):
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
              tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
              tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT,
-             ta.MERGE_UNROLLED)
+             ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -256,6 +258,8 @@ def apply_variant(spec: str):
             tmlp.ENABLED = value == "1"
         elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
             tmlp.CONFIG[name[4:]] = int(value)
+        elif name == "max_rows" and value in ("16", "32"):
+            lin.MAX_FAST_ROWS = int(value)
         elif name != "default":
             raise SystemExit(f"unknown variant knob {knob!r}")
 
@@ -267,7 +271,7 @@ def apply_variant(spec: str):
         tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
         tmlp.CONFIG.clear()
         tmlp.CONFIG.update(saved[9])
-        ta.IDLE_EXIT, ta.MERGE_UNROLLED = saved[10:12]
+        ta.IDLE_EXIT, ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS = saved[10:13]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

@@ -20,12 +20,12 @@ from torch import nn
 
 from onespec.layers.norm import RMSNorm
 
-MAX_FAST_ROWS = 16      # = triton_linear.MAX_ROWS; kept here so the CPU never imports Triton
+MAX_FAST_ROWS = 32      # <= triton_linear.MAX_ROWS; kept here so the CPU never imports Triton
 
 
 def decode_sized(x: torch.Tensor, fast: bool) -> bool:
-    """Whether rows x [M, K] take the Triton decode kernels: `fast` set, M <= 16, and no
-    autograd (training and the CPU keep the PyTorch path)."""
+    """Whether rows x [M, K] take the Triton decode kernels: `fast` set, M <= MAX_FAST_ROWS,
+    and no autograd (training and the CPU keep the PyTorch path)."""
     return fast and x.dim() == 2 and x.shape[0] <= MAX_FAST_ROWS and not torch.is_grad_enabled()
 
 

@@ -33,7 +33,7 @@ from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl
     stamp, trace_buffer
 
 NO_WINDOW = 1 << 30
-MAX_SPLIT_ROWS = 16     # = triton_linear.MAX_ROWS: decode-sized launches split their keys
+MAX_SPLIT_ROWS = 16     # launches of up to this many rows split their keys
 SPLITS = 16
 # decode-sized launches, 16-bit keys of head_dim <= 128: 256-key tiles, 8 warps, one stage.
 # Up to 256 keys one program per (row, kv head) holds them all, read before its PDL wait,

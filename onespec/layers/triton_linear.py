@@ -4,8 +4,8 @@ A decode step of a batch of a few rows reads each weight matrix once and does al
 arithmetic, so its time is the time to stream the weights, and every extra kernel launch
 between two weight streams is time the memory sits idle. The kernels here:
 
-- `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, rows padded to one 16-row
-  tensor-core tile, the weight loads software-pipelined; a gated SiLU after it (W holds
+- `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, rows padded to a tile of
+  16 (up to 16 rows) or 32, the weight loads software-pipelined; a gated SiLU after it (W holds
   [gate; up] rows and the result is silu(gate) * up) and a residual added after it.
   An RMSNorm in front of it either runs as its own row kernel (`norm_weight`) or is split
   across the kernels around it (`Prenormed`): the residual kernel before the norm also
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MAX_ROWS = 16        # one tensor-core tile of rows; larger batches go to cuBLAS
+MAX_ROWS = 32        # rows padded to a tile of 16 or 32 (row_tile); larger batches: cuBLAS
 CONFIGS: dict[tuple[int, int, bool], tuple[int, ...]] = {}   # (N, K, gated) -> tiling
 FUSED_ROPE = True    # qkv_rope_and_cache: the qkv GEMV writes rotated heads and the KV cache
 RELEASE_TILES = 0    # a GEMV lets its successor launch this many weight tiles before its end
@@ -110,10 +110,10 @@ def _accumulate(acc, acc_up, x, w, wu, GATED: tl.constexpr, IEEE: tl.constexpr):
 def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
                  GATED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TR,
-                 TRACING: tl.constexpr, REL: tl.constexpr):
+                 TRACING: tl.constexpr, REL: tl.constexpr, ROWS: tl.constexpr):
     """x @ W[rows].T for one program's BLOCK_N weight rows (w_rows: their pointers, any
-    rows; with GATED also the rows N further), rows of x padded to 16: (acc, acc_up)
-    [16, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
+    rows; with GATED also the rows N further), rows of x padded to ROWS (m: their indices):
+    (acc, acc_up) [ROWS, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
     releases the next one after the stream (REL = 0), REL tiles before its end (REL > 0)
     or right after the wait (REL < 0)."""
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
@@ -133,8 +133,8 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
         if REL < 0:
             tl.extra.cuda.gdc_launch_dependents()
     stamp(TR, 1, TRACING)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
     if PRE > 0:
         x_p = tl.load(X + m[:, None] * stride_xm + kp[None, :],
                       mask=m_ok[:, None] & (kp < K)[None, :], other=0.0)
@@ -166,7 +166,7 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
 
 @triton.jit
 def _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P: tl.constexpr):
-    """X held x * norm_weight; the producer left per-row partial sums of x^2: 1/rms [16]."""
+    """X held x * norm_weight; the producer left per-row partial sums of x^2: 1/rms [rows]."""
     p = tl.arange(0, BLOCK_P)
     parts = tl.load(SS_IN + m[:, None] * stride_ss_in + p[None, :],
                     mask=m_ok[:, None] & (p < P_IN)[None, :], other=0.0)
@@ -181,18 +181,21 @@ def _small_linear_kernel(
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, BLOCK_P: tl.constexpr,
         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
         PRENORMED: tl.constexpr, NORM_OUT: tl.constexpr, ARGMAX: tl.constexpr,
-        IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr):
-    # Rows are padded to 16 (the smallest tensor-core tile) whatever M is, so every row sees
-    # the same instructions; the loop's loads are software-pipelined (num_stages).
+        IEEE: tl.constexpr, PDL: tl.constexpr, TRACING: tl.constexpr, REL: tl.constexpr,
+        ROWS: tl.constexpr):
+    # Rows are padded to ROWS (16, the smallest tensor-core tile, or 32), so every row sees
+    # the same instructions whatever M is up to ROWS; each row's dot products add the same
+    # terms in the same order in a tile of either height. The loop's loads are
+    # software-pipelined (num_stages).
     stamp(TR, 0, TRACING)
     pid = tl.program_id(0)
-    m = tl.arange(0, 16)
+    m = tl.arange(0, ROWS)
     m_ok = m < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc, acc_up = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                                stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
-                               PDL, TR, TRACING, REL)
+                               PDL, TR, TRACING, REL, ROWS)
     if PRENORMED:
         rstd = _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
         acc = acc * rstd[:, None]
@@ -417,6 +420,51 @@ def _config(n: int, k: int, gated: bool, deep: bool = False) -> tuple[int, int, 
     return (32, 256, 4, 8) if deep and n == k else (32, 256, 4, 5)
 
 
+def row_tile(m: int) -> int:
+    """The padded height of the row tile a launch of m rows computes: 16 up to 16, else 32."""
+    return 16 if m <= 16 else 32
+
+
+@functools.lru_cache(maxsize=None)
+def _block_smem(device: torch.device) -> int:
+    """Shared memory one block may use (sm_90: 227 KB; an SM holds 1 KB more per block)."""
+    if device.type != "cuda" or INTERPRETED:
+        return 232448
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["max_shared_mem"]
+
+
+def _stages_for_rows(w_rows: int, block_k: int, stages: int, rows: int, w_bytes: int,
+                     x_bytes: int, block_smem: int) -> int:
+    """num_stages for a tile of `rows` rows, from one tuned for 16: the pipeline holds
+    stages - 1 buffers of the weight tile [w_rows, block_k] and of the x tile [rows,
+    block_k], so taller x tiles take more shared memory; keep as many programs per SM as
+    the 16-row tiling allowed, with at least 3 stages."""
+    per_stage = lambda r: (w_rows * w_bytes + r * x_bytes) * block_k
+    sm = block_smem + 1024
+    per_sm = max(1, sm // ((stages - 1) * per_stage(16) + 1024))
+    budget = min(block_smem, sm // per_sm - 1024)
+    return max(3, min(stages, 1 + budget // per_stage(rows)))
+
+
+def _launch_tiling(n: int, k: int, gated: bool, rows: int, weight: torch.Tensor,
+                   x: torch.Tensor, config: tuple[int, ...] | None = None,
+                   deep: bool | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PRE) of a launch: `config` or CONFIGS'
+    entry as given, else _config's with its pipeline fitted to the row tile."""
+    given = config or CONFIGS.get((n, k, gated))
+    if given:
+        return _tiling(given)
+    if deep is None:
+        deep = weight.element_size() <= 2 and _hopper(weight.device)
+    block_n, block_k, warps, stages, preload = _tiling(_config(n, k, gated, deep))
+    if rows > 16:
+        stages = _stages_for_rows(block_n * (2 if gated else 1), block_k, stages, rows,
+                                  weight.element_size(), x.element_size(),
+                                  _block_smem(weight.device))
+    return block_n, block_k, warps, stages, preload
+
+
 def _tiling(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PRE]) with PRE (default 1) checked."""
     block_n, block_k, warps, stages, *preload = config
@@ -491,9 +539,9 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     out = torch.empty(0 if argmax else m, n, dtype=out_dtype or x.dtype, device=x.device)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    block_n, block_k, warps, stages, preload = _tiling(
-        config or CONFIGS.get((n, k, gated)) or
-        _config(n, k, gated, weight.element_size() <= 2 and _hopper(weight.device)))
+    tile = row_tile(m)
+    block_n, block_k, warps, stages, preload = _launch_tiling(n, k, gated, tile, weight, x,
+                                                              config)
     grid = triton.cdiv(n, block_n)
     nxt = None
     if norm_out is not None:
@@ -526,7 +574,8 @@ def small_linear(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
         TRACING=tr is not None,
         REL=-1 if early_release and EARLY_RELEASE or (n, k, gated) in RELEASE_AT_START
-        else RELEASE_TILES, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        else RELEASE_TILES, ROWS=tile, num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl))
     if argmax:
         offsets = arg[2] if argmax_offsets is None else argmax_offsets
         _argmax_reduce_kernel[(m,)](arg[0], arg[1], offsets, arg[2], grid, grid,
@@ -618,7 +667,7 @@ def _qkv_rope_kernel(
         PAIRS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
         PRE: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
         PRENORMED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        TRACING: tl.constexpr, REL: tl.constexpr):
+        TRACING: tl.constexpr, REL: tl.constexpr, ROWS: tl.constexpr):
     # Program = (head, PAIRS rotary pairs of it): its weight rows are j and HALF + j for the
     # pairs' j, so both halves of each pair land in its own tile and the rotation, and the
     # stores rope_and_cache would make, are its epilogue.
@@ -629,7 +678,7 @@ def _qkv_rope_kernel(
     j = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)                  # [PAIRS]
     c = tl.arange(0, 2 * PAIRS)
     n = head * 2 * HALF + (pid % per_head) * PAIRS + c % PAIRS + (c // PAIRS) * HALF
-    m = tl.arange(0, 16)
+    m = tl.arange(0, ROWS)
     m_ok = m < M
     # this step's positions, cache slots and cos/sin: inputs, so read before the wait
     pos = tl.load(POSITIONS + m, mask=m_ok, other=0)
@@ -641,7 +690,7 @@ def _qkv_rope_kernel(
     sin = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
     acc, _ = _stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n >= 0, m, m_ok, K,
                           stride_xm, stride_wn, 0, 2 * PAIRS, BLOCK_K, PRE, False, IEEE, PDL,
-                          TR, TRACING, REL)
+                          TR, TRACING, REL, ROWS)
     if PRENORMED:
         acc = acc * _prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)[:, None]
     if HAS_BIAS:
@@ -649,7 +698,7 @@ def _qkv_rope_kernel(
     dt = Q_OUT.dtype.element_ty
     # the projection rounded as small_linear stores it, then rope_and_cache's arithmetic
     y = acc.to(dt).to(tl.float32)
-    x1, x2 = tl.split(tl.permute(tl.reshape(y, [16, 2, PAIRS]), [0, 2, 1]))  # [16, PAIRS]
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [ROWS, 2, PAIRS]), [0, 2, 1]))  # [ROWS, PAIRS]
     mask = m_ok[:, None]
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         o1 = x1 * cos - x2 * sin
@@ -708,8 +757,9 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     if m == 0:
         return q
     pairs = min(16, half)
-    _, block_k, warps, stages, preload = _tiling(CONFIGS.get((weight.shape[0], k, False)) or
-                                                 _config(weight.shape[0], k, False))
+    tile = row_tile(m)
+    _, block_k, warps, stages, preload = _launch_tiling(weight.shape[0], k, False, tile,
+                                                        weight, x, deep=False)
     pdl = pdl_supported(x.device)
     ss_in = pre.ss if pre else x
     grid = weight.shape[0] // (2 * pairs)
@@ -726,6 +776,6 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        TRACING=tr is not None, REL=-1 if EARLY_RELEASE else RELEASE_TILES, num_warps=warps,
-        num_stages=stages, **pdl_launch(pdl))
+        TRACING=tr is not None, REL=-1 if EARLY_RELEASE else RELEASE_TILES, ROWS=tile,
+        num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return q

@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers.triton_linear import (MAX_ROWS, Prenormed, _hopper, _prenorm_rstd,
+from onespec.layers.triton_linear import (Prenormed, _hopper, _prenorm_rstd,
                                           pdl_launch, pdl_supported, stamp, trace_buffer)
 
+MAX_ROWS = 16    # rows padded to one 16-row tile
 BB = 32          # down rows of a program
 BLOCK_K = 256    # weight columns per loaded tile, both phases
 # Off by default: on the H200 it is still slower than small_linear's two kernels

@@ -5,8 +5,8 @@ arithmetic, so its time is the time to stream the weights, and every extra kerne
 between two weight streams is time the memory sits idle. The kernels here:
 
 - `small_linear`: y = x @ W.T (+ bias) for M <= MAX_ROWS rows, rows padded to a tile of
-  16 (up to 16 rows) or 32, the weight loads software-pipelined; a gated SiLU after it (W holds
-  [gate; up] rows and the result is silu(gate) * up) and a residual added after it.
+  16 (up to 16 rows) or 32, the weight loads software-pipelined; a gated SiLU after it
+  (W holds [gate; up] rows and the result is silu(gate) * up) and a residual added after it.
   An RMSNorm in front of it either runs as its own row kernel (`norm_weight`) or is split
   across the kernels around it (`Prenormed`): the residual kernel before the norm also
   stores rows * norm weight and per-program partial sums of squares, and the GEMV after
@@ -113,9 +113,9 @@ def _stream_rows(X, w_rows, n_ok, m, m_ok, K, stride_xm, stride_wn, N,
                  TRACING: tl.constexpr, REL: tl.constexpr, ROWS: tl.constexpr):
     """x @ W[rows].T for one program's BLOCK_N weight rows (w_rows: their pointers, any
     rows; with GATED also the rows N further), rows of x padded to ROWS (m: their indices):
-    (acc, acc_up) [ROWS, BLOCK_N] in float32. Waits for the previous kernel after the first PRE tiles and
-    releases the next one after the stream (REL = 0), REL tiles before its end (REL > 0)
-    or right after the wait (REL < 0)."""
+    (acc, acc_up) [ROWS, BLOCK_N] in float32. Waits for the previous kernel after the first
+    PRE tiles and releases the next one after the stream (REL = 0), REL tiles before its
+    end (REL > 0) or right after the wait (REL < 0)."""
     # The first PRE weight tiles do not depend on the previous kernel: under programmatic
     # dependent launch they stream while that kernel finishes. (ptxas stores such a tile to
     # shared memory for the dot before the wait, so the wait returns only once it has

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata, cached_attention, paged_attention
-from onespec.layers.linear import (decode_sized, fused_linear, fused_linear_argmax,
-                                   fused_rms_norm, row_kernels)
+from onespec.layers.linear import (decode_sized, fused_add_rms_norm, fused_linear,
+                                   fused_linear_argmax, fused_rms_norm, row_kernels)
 from onespec.layers.norm import RMSNorm
 from onespec.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -186,7 +186,6 @@ class DecoderLayer(nn.Module):
         one kernel (a layer of the 8B shape at batch 32 ran ~30 us of PyTorch's elementwise
         kernels besides its GEMMs). `pre`: this layer's input norm, left by the layer before
         (None: compute it). Returns (h, next_norm(h) or None)."""
-        from onespec.layers.linear import fused_add_rms_norm, fused_linear, fused_rms_norm
         attn, mlp = self.self_attn, self.mlp
         x = fused_rms_norm(self.input_layernorm, h, True) if pre is None else pre
         out = attn.attend(attn.qkv_proj(x), positions, rotary, meta, True)

@@ -27,19 +27,14 @@ into the engine.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from timing import graph_us
+from probe_tma_chain import EARLY, ORDER, SHAPES, small_linear_chain
+from timing import graph_us, jsonl_emitter
 
-SHAPES = {"o_proj": (4096, 4096, False), "gate_up": (14336, 4096, True),
-          "down": (4096, 14336, False), "qkv": (6144, 4096, False)}
-ORDER = ("o_proj", "gate_up", "down", "qkv")
-EARLY = {"down", "qkv"}      # release their successor right after their wait, as the engine
 TILES = {"o_proj": (32, 256, 8), "gate_up": (64, 128, 3), "down": (32, 256, 6),
          "qkv": (32, 256, 5)}   # BLOCK_N, BLOCK_K, stages: the engine's batch-1 tilings
 
@@ -56,6 +51,18 @@ def _prefetch(addr, size, BULK: tl.constexpr):
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
             dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(base, rr, rows, stride, piece, BULK: tl.constexpr, LINES: tl.constexpr):
+    """Prefetch `piece` bytes at base + rr * stride for each row index rr < rows (BULK: one
+    bulk prefetch each; else LINES 128-byte lines each)."""
+    a = base + tl.where(rr < rows, rr, 0).to(tl.int64) * stride
+    if BULK:
+        _prefetch(a, tl.zeros_like(rr).to(tl.int32) + piece, True)
+    else:
+        for line in tl.static_range(LINES):
+            _prefetch(a + line * 128, piece, False)
 
 
 @triton.jit
@@ -149,13 +156,7 @@ def _prefetcher_kernel(PROG, ADDR, ROWS, STRIDE, PIECE, CUM, S, LEAD,
             stride = tl.load(STRIDE + s)
             piece = tl.load(PIECE + s)
             for r0 in range(pid * BLOCK, rows, nprog * BLOCK):
-                rr = r0 + r
-                a = addr + tl.where(rr < rows, rr, 0).to(tl.int64) * stride
-                if BULK:
-                    _prefetch(a, tl.full([BLOCK], 0, tl.int32) + piece, True)
-                else:
-                    for line in tl.static_range(LINES):
-                        _prefetch(a + line * 128, piece, False)
+                _prefetch_rows(addr, r0 + r, rows, stride, piece, BULK, LINES)
 
 
 def plan_slices(weights: list[dict], device, group: int = 1) -> dict:
@@ -192,11 +193,7 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--part", default="12")
     args = ap.parse_args()
-    out = open(args.out, "w") if args.out else sys.stdout
-
-    def emit(**row):
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+    emit = jsonl_emitter(args.out)
 
     dt = torch.bfloat16
     if "1" in args.part:
@@ -245,18 +242,8 @@ def main():
 
     emit(kernel="floor", layer_mb=round(layer_bytes / 1e6, 1),
          us_at_4636=round(layer_bytes / 4636e3, 2), slices=plan["S"])
-    from onespec.layers.triton_linear import small_linear
-
-    def chain_small_linear():
-        x = x0
-        for w in weights:
-            for name in ORDER:
-                x = small_linear(x, w[name], gated=SHAPES[name][2],
-                                 early_release=name in EARLY)
-                x = x[:, :4096] if name == "qkv" else x
-        return x
-
-    emit(kernel="small_linear", us_per_layer=round(graph_us(chain_small_linear) / args.layers, 2))
+    emit(kernel="small_linear",
+         us_per_layer=round(graph_us(lambda: small_linear_chain(weights, x0)) / args.layers, 2))
     variants = [("no report", False, "", None), ("report", True, "", None)]
     if "3" in args.part:      # prefetchers on SMs of their own, pieces of 1 or 4 k-tiles
         for group in (1, 4):
@@ -354,13 +341,8 @@ def l2_residency(emit):
 @triton.jit
 def _strided_prefetch_kernel(BASE, ROWS, STRIDE, PIECE, BLOCK: tl.constexpr,
                              BULK: tl.constexpr, LINES: tl.constexpr):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    a = BASE + tl.where(r < ROWS, r, 0).to(tl.int64) * STRIDE
-    if BULK:
-        _prefetch(a, tl.full([BLOCK], 0, tl.int32) + PIECE, True)
-    else:
-        for line in tl.static_range(LINES):
-            _prefetch(a + line * 128, PIECE, False)
+    _prefetch_rows(BASE, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), ROWS, STRIDE, PIECE,
+                   BULK, LINES)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ order, so near, not equal) and against PyTorch.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 import triton
@@ -30,7 +28,7 @@ import triton.language as tl
 
 from onespec.layers.triton_mlp import _release_one, _wait_at_least
 from probe_l2_prefetcher import EARLY, ORDER, SHAPES, TILES, _gemv_kernel
-from timing import graph_us
+from timing import graph_us, jsonl_emitter
 
 
 SLOTS = 4      # programs that may share one row tile (checked by check_plan)
@@ -122,11 +120,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
-    out = open(args.out, "w") if args.out else sys.stdout
-
-    def emit(**row):
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+    emit = jsonl_emitter(args.out)
 
     dt = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -16,14 +16,13 @@ by scripts/probe_read_bandwidth.py.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from timing import graph_us
+from timing import graph_us, jsonl_emitter
 
 SHAPES = {"o_proj": (4096, 4096, False), "gate_up": (14336, 4096, True),
           "down": (4096, 14336, False), "qkv": (6144, 4096, False)}
@@ -135,6 +134,17 @@ def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w.reshape(rows // bn, bn, k // bk, bk).permute(0, 2, 1, 3).contiguous()
 
 
+def small_linear_chain(weights: list[dict], x0: torch.Tensor) -> torch.Tensor:
+    """The chain through onespec's small_linear, PDL and early releases as in the engine."""
+    from onespec.layers.triton_linear import small_linear
+    x = x0
+    for w in weights:
+        for name in ORDER:
+            x = small_linear(x, w[name], gated=SHAPES[name][2], early_release=name in EARLY)
+            x = x[:, :4096] if name == "qkv" else x
+    return x
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,12 +158,7 @@ def main():
         sys.exit("probe_tma_chain.py needs CUDA")
     from triton.tools.tensor_descriptor import TensorDescriptor
     from onespec.bench_cli import copy_bandwidth
-    from onespec.layers.triton_linear import small_linear
-    out = open(args.out, "w") if args.out else sys.stdout
-
-    def emit(**row):
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+    emit = jsonl_emitter(args.out)
 
     copy = copy_bandwidth("cuda") / 1e9
     dt = torch.bfloat16
@@ -165,16 +170,8 @@ def main():
          us_at_read=round(layer_bytes / args.read_gbps / 1e3, 2))
     x0 = torch.randn(1, 4096, device="cuda", dtype=dt)
 
-    def chain_small_linear():
-        x = x0
-        for w in weights:
-            for name in ORDER:
-                x = small_linear(x, w[name], gated=SHAPES[name][2],
-                                 early_release=name in EARLY)
-                x = x[:, :4096] if name == "qkv" else x
-        return x
-
-    emit(kernel="small_linear", us_per_layer=round(graph_us(chain_small_linear) / args.layers, 2))
+    emit(kernel="small_linear",
+         us_per_layer=round(graph_us(lambda: small_linear_chain(weights, x0)) / args.layers, 2))
 
     outs = {name: torch.empty(1, SHAPES[name][0], device="cuda", dtype=dt) for name in ORDER}
 

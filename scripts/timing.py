@@ -1,7 +1,20 @@
 """GPU timing shared by the measurement scripts (bench/ and the engine time themselves)."""
 from __future__ import annotations
 
+import json
+import sys
+
 import torch
+
+
+def jsonl_emitter(path: str | None):
+    """emit(**row): one JSON line to `path` (stdout when empty), flushed at once."""
+    out = open(path, "w") if path else sys.stdout
+
+    def emit(**row):
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+    return emit
 
 
 def best_us(run, reps: int = 20, trials: int = 3, per: int = 1) -> float:

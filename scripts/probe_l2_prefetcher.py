@@ -134,8 +134,9 @@ def _prefetcher_kernel(PROG, ADDR, ROWS, STRIDE, PIECE, CUM, S, LEAD,
     LEAD bytes past the slice the GEMVs report. Program p takes the row blocks p, p + P,
     ... of each slice (P programs). It re-reads the progress word only while it waits, so
     it skips slices the GEMVs have passed only after a wait: one that falls behind
-    prefetches every slice, late. HOG: a dot that never runs (S >= 0) makes the kernel hold ~160 KB
-    of shared memory, so no GEMV program shares an SM with a prefetcher program."""
+    prefetches every slice, late. HOG: a dot that never runs (S >= 0) makes the kernel
+    hold ~160 KB of shared memory, so no GEMV program shares an SM with a prefetcher
+    program."""
     pid = tl.program_id(0)
     if HOG:
         if S < 0:

@@ -145,6 +145,21 @@ def small_linear_chain(weights: list[dict], x0: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def torch_chain(weights: list[dict], x0: torch.Tensor) -> torch.Tensor:
+    """The chain in float32 through PyTorch, each GEMV's output rounded to x0's dtype as
+    the kernels store it; qkv's first 4096 columns go on."""
+    x = x0.float()
+    for w in weights:
+        for name in ORDER:
+            y = x @ w[name].float().T
+            if SHAPES[name][2]:
+                g, u = y.chunk(2, -1)
+                y = torch.nn.functional.silu(g) * u
+            x = y.to(x0.dtype).float()
+            x = x[:, :4096] if name == "qkv" else x
+    return x
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,15 +231,7 @@ def main():
     def check_and_time(kind, cfg, run):
         try:
             got = run(1)
-            x = x0.float()
-            for name in ORDER:
-                w = weights[0][name].float()
-                y = x @ w.T
-                if SHAPES[name][2]:
-                    g, u = y.chunk(2, -1)
-                    y = torch.nn.functional.silu(g) * u
-                x = y.to(dt).float()
-            x = x[:, :4096]
+            x = torch_chain(weights[:1], x0)
             ok = ((got.float() - x).norm() / x.norm()).item() < 2e-2
             us = graph_us(run) / args.layers
         except Exception as e:

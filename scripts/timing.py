@@ -1,5 +1,5 @@
-"""GPU timing and JSON-lines output shared by the measurement scripts (bench/ and the engine time
-themselves)."""
+"""GPU timing and JSON-lines output shared by the measurement scripts (bench/ and the
+engine time themselves)."""
 from __future__ import annotations
 
 import json

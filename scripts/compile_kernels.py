@@ -148,7 +148,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                 PART_ML="*fp32", TICKETS="*i32", scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "IDLE_EXIT": ta.IDLE_EXIT,
-            "MERGE_UNROLLED": ta.MERGE_UNROLLED, "MERGE_ROWS": 4, "SERIAL": ta.SERIAL_TWO_TILES}
+            "MERGE_UNROLLED": ta.MERGE_UNROLLED, "MERGE_ROWS": 4}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     split_n, split_warps, split_stages = ta.SPLIT_CONFIG

@@ -25,7 +25,6 @@ bench/decode.py), prints one JSON line per mode:
     (that GEMV too), mlp=1 (gate_up and down as triton_mlp's persistent kernel instead of
     two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]),
     attn_idle=0|1 (attention's splits without keys leave before their wait),
-    attn_serial=0|1 (at two key tiles one program takes both, or two splits and a merge),
     attn_merge=loop|unrolled (the last split loads the partials split by split, or all at
     once), max_rows=16|32 (the most rows a forward sends through the decode kernels; more
     go through cuBLAS with the row kernels); '+' joins
@@ -230,7 +229,7 @@ def apply_variant(spec: str):
     saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
              tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
              tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT,
-             ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS, ta.SERIAL_TWO_TILES)
+             ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS)
     for knob in filter(None, spec.split("+")):
         name, _, value = knob.partition("=")
         if name == "preload":
@@ -255,8 +254,6 @@ def apply_variant(spec: str):
             ta.IDLE_EXIT = value == "1"
         elif name == "attn_merge" and value in ("loop", "unrolled"):
             ta.MERGE_UNROLLED = value == "unrolled"
-        elif name == "attn_serial" and value in ("0", "1"):
-            ta.SERIAL_TWO_TILES = value == "1"
         elif name == "mlp" and value in ("0", "1"):
             tmlp.ENABLED = value == "1"
         elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
@@ -274,7 +271,7 @@ def apply_variant(spec: str):
         tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
         tmlp.CONFIG.clear()
         tmlp.CONFIG.update(saved[9])
-        ta.IDLE_EXIT, ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS, ta.SERIAL_TWO_TILES = saved[10:14]
+        ta.IDLE_EXIT, ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS = saved[10:13]
         tlin.CONFIGS.clear()
         tlin.CONFIGS.update(saved[3])
     return undo

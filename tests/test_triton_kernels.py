@@ -408,38 +408,6 @@ def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
     assert not ta._tickets[q.device].any()
 
 
-@pytest.mark.parametrize("window", [None, 60])
-@torch.inference_mode()
-def test_two_key_tiles_in_one_program_are_bit_identical_to_two_splits(monkeypatch, window):
-    """Where a row's keys span exactly two tiles, the first tile's program takes both and
-    merges them in registers (SERIAL_TWO_TILES): bit-identical to two splits merged through
-    memory, also where the second tile's split comes first (tiles 15 and 16, with the
-    window) and for a row alone against its 4-row verify pack spanning three tiles."""
-    from onespec.layers import triton_attention as ta
-    # 64-key tiles (float32): rows at 100 (2 tiles), 126..129 (a pack of 3 tiles whose
-    # first rows alone see 2), 1030 (tiles 15-16 with the window, 17 without)
-    q, kc, vc, tables, positions, bs = _attention_case(torch.float32, 4, 2, 32, [1, 4, 1],
-                                                      [100, 126, 1030])
-    req = torch.tensor([0, 1, 1, 1, 1, 2], device=DEV)
-
-    def run(serial, rows=slice(None), rpr=0):
-        monkeypatch.setattr(ta, "SERIAL_TWO_TILES", serial)
-        return ta.triton_paged_attention(q[rows], kc, vc, tables, req[rows], positions[rows],
-                                         0.2, bs, window=window, rows_per_request=rpr)
-
-    split, serial = run(False), run(True)
-    assert torch.equal(serial, split)
-    assert torch.equal(run(True, slice(1, 5), 4), split[1:5])
-    for i in range(6):
-        assert torch.equal(run(True, slice(i, i + 1), 1), split[i:i + 1])
-    assert not ta._tickets[q.device].any()
-    from onespec.layers.attention import build_attention_metadata, cached_attention
-    meta = build_attention_metadata(tables, [1, 4, 1], positions, bs,
-                                    int(positions.max()) + 1, window, "torch")
-    torch.testing.assert_close(serial, cached_attention(q, kc, vc, meta, 0.2), atol=1e-5,
-                               rtol=1e-5)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_fast_decoder_matches_portable_path(tmp_path, arch):

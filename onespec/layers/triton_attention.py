@@ -11,8 +11,7 @@ programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores it
 softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
 the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8;
 with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all
-(its result is stored as is, no merge) and the other splits leave at once; up to 512
-the first tile's program also takes the second and merges the two in registers.
+(its result is stored as is, no merge) and the other splits leave at once.
 When every request has the same number of consecutive rows (a K+1-row verify), a request's
 rows can share one program per kv head and read each key tile once (rows_per_request).
 Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
@@ -53,12 +52,6 @@ IDLE_EXIT = True
 # The last split merges the partials with every split's loads in flight at once (one L2
 # round trip) instead of one split after another (see _merge_splits)
 MERGE_UNROLLED = True
-# A split launch whose pack sees exactly two key tiles (257-512 positions with 256-key
-# tiles) runs them both in the program of the first (whose older keys it read before the
-# PDL wait) and merges the two states in registers: the arithmetic of the split path
-# without its partials' round trip through L2 and the ticket, so the result is
-# bit-identical and a row's value still does not depend on its pack.
-SERIAL_TWO_TILES = True
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -134,8 +127,7 @@ def _paged_attention_kernel(
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
         TRACING: tl.constexpr, IDLE_EXIT: tl.constexpr = True,
-        MERGE_UNROLLED: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16,
-        SERIAL: tl.constexpr = False):
+        MERGE_UNROLLED: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16):
     stamp(TR, 0, TRACING)
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
@@ -159,11 +151,6 @@ def _paged_attention_kernel(
     t_lo = lo_min // BLOCK_N
     t_hi = pos_max // BLOCK_N
     t0 = _first_tile(split, t_lo, SPLITS)
-    serial = False
-    if SERIAL and SPLITS > 1:
-        serial = t_hi == t_lo + 1
-        if serial and t0 != t_lo:       # the first tile's program takes the second too
-            return
     if IDLE_EXIT:
         if t0 > t_hi:       # no key tile for this split (it writes nothing, takes no ticket)
             return
@@ -201,19 +188,6 @@ def _paged_attention_kernel(
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
-    if serial:
-        n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t_hi, lo_min,
-                                           pos_max, kv_head, stride_ct, stride_ch, d, d_ok,
-                                           BLOCK_SIZE, BLOCK_N)
-        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
-        m2, l2, acc2 = _attend_tile(q, k, v, n, pos, lo, scale,
-                                    tl.full([GROUP_PAD], float("-inf"), tl.float32),
-                                    tl.zeros([GROUP_PAD], tl.float32),
-                                    tl.zeros([GROUP_PAD, DIM_PAD], tl.float32), IEEE)
-        # what the split path's merge computes: merging into its empty state is exact,
-        # and a merge of two states is symmetric, so their split order does not matter
-        m, l, acc = _merge_one(m, l, acc, m2, l2, acc2)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     stamp(TR, 2, TRACING)
     if SPLITS == 1:
@@ -227,8 +201,8 @@ def _paged_attention_kernel(
         merge_ptrs = OUT + m_row[:, None] * stride_ot + m_head[:, None] * stride_oh + d[None, :]
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, merge_ptrs,
                       gm_ok[:, None] & d_ok[None, :], t_lo, t_hi,
-                      pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, serial,
-                      GROUP_PAD, DIM_PAD, MERGE_ROWS, SPLITS, MERGE_UNROLLED)
+                      pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, GROUP_PAD,
+                      DIM_PAD, MERGE_ROWS, SPLITS, MERGE_UNROLLED)
     stamp(TR, 3, TRACING)
 
 
@@ -241,7 +215,7 @@ def _store_normalised(out_ptrs, acc, l, out_mask):
 
 @triton.jit
 def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge_ptrs,
-                  merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d, serial,
+                  merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d,
                   GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
                   SPLITS: tl.constexpr, UNROLLED: tl.constexpr):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
@@ -256,9 +230,8 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge
     so the result is the same as the loop's."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
-    if t_hi == t_lo or serial:
-        # one split holds every key (serial: this one took both tiles): its result as is
-        # (what merging it alone would give)
+    if t_hi == t_lo:
+        # one split holds every key: its result as is (what merging it alone would give)
         _store_normalised(out_ptrs, acc, l, out_mask)
         return
     base = unit * SPLITS
@@ -376,8 +349,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED,
         PDL=pdl, TRACING=tr is not None, IDLE_EXIT=IDLE_EXIT, MERGE_UNROLLED=MERGE_UNROLLED,
-        MERGE_ROWS=triton.next_power_of_2(pack * group), SERIAL=SERIAL_TWO_TILES,
-        num_warps=warps,
+        MERGE_ROWS=triton.next_power_of_2(pack * group), num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))
     return out

@@ -165,6 +165,10 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            ta._paged_attention_kernel, attn,
            {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": 1, "RPR": 4, "RPR_PAD": 4,
             "IEEE": False, "MERGE_ROWS": 16}, (rows_warps, rows_stages))
+    yield ("attention bf16 batched verify (6-row packs in a 32-row tile, no split)",
+           ta._paged_attention_kernel, attn,
+           {**base, "ROWS": 6, "GROUP_PAD": 32, "BLOCK_N": rows_n, "SPLITS": 1, "RPR": 6,
+            "RPR_PAD": 8, "IEEE": False, "MERGE_ROWS": 32}, (rows_warps, rows_stages))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

@@ -349,23 +349,26 @@ def _attention_case(dtype, heads, kv_heads, head_dim, q_lens, starts, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (6, 2, 24)])
 @pytest.mark.parametrize("window", [None, 300])
-@pytest.mark.parametrize("batch", ["mixed", "verify", "verify-wide"])
+@pytest.mark.parametrize("batch", ["mixed", "verify", "verify-wide", "verify-6"])
 @torch.inference_mode()
 def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window, batch):
     """Decode-sized launches split each row's keys over 16 programs and merge them in the
     last one: equal to the portable attention, from a few keys (most splits idle) to
     1,200 (splits of two tiles), with and without a sliding window. 'verify': 4-row
     requests share programs (one read of each key tile); 'verify-wide': 20 rows, no
-    split, still packed."""
+    split, still packed; 'verify-6': 24 rows, no split, 6-row requests packed into a 16-
+    (2 query heads a kv head) or a 32-row tile (3)."""
     from onespec.layers.attention import cached_attention
     q_lens, starts = {"mixed": ([1, 4, 1], [1200, 700, 2]),
                       "verify": ([4] * 3, [1200, 700, 2]),
-                      "verify-wide": ([4] * 5, [1200, 700, 2, 64, 333])}[batch]
+                      "verify-wide": ([4] * 5, [1200, 700, 2, 64, 333]),
+                      "verify-6": ([6] * 4, [1200, 700, 2, 333])}[batch]
     q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
                                                       q_lens, starts)
     outs = []
     for backend in ("torch", "triton"):
-        meta = build_attention_metadata(tables, 4 if "verify" in batch else q_lens, positions,
+        rpr = 6 if batch == "verify-6" else 4
+        meta = build_attention_metadata(tables, rpr if "verify" in batch else q_lens, positions,
                                         bs, int(positions.max()) + 1, window, backend)
         outs.append(cached_attention(q, kc, vc, meta, head_dim ** -0.5).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -406,6 +409,29 @@ def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
     assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
                                                  0.2, bs, rows_per_request=4), packed)
     assert not ta._tickets[q.device].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(monkeypatch, dtype):
+    """A launch without splits packs a 6-row request with 3 query heads a kv head (18 tile
+    rows) into one 32-row tile, reading each key tile once: the same results as one program
+    per row. In bf16 on the GPU bit-identical: each row's tensor-core dots add the same
+    terms in the same order in either tile height. float32's dots (FMA, 'ieee') and
+    Triton's interpreter (numpy) sum in an order that follows the tile's layout."""
+    from onespec.layers import triton_attention as ta
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, 6, 2, 24, [6] * 3,
+                                                      [900, 60, 301])
+    req = torch.arange(3, device=DEV).repeat_interleave(6)
+    outs = {}
+    for tile in (16, 32):
+        monkeypatch.setattr(ta, "PACK_TILE_ROWS", tile)
+        outs[tile] = ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
+                                               rows_per_request=6)
+    if DEV == "cuda" and dtype == torch.bfloat16:
+        assert torch.equal(outs[32], outs[16])
+    tol = TOL[dtype] / 2
+    torch.testing.assert_close(outs[32].float(), outs[16].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -502,7 +528,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 24
+    assert len(rows) == 25
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents

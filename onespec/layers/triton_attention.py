@@ -44,6 +44,11 @@ SPLIT_CONFIG = (256, 8, 1)
 # batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
 # batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling; docs/PERFORMANCE.md 2r)
 ROWS_CONFIG = (128, 4, 2)
+# launches without splits pack a request's rows into a tile of up to this many (row,
+# query head) rows, read each key tile once for all of them: a K = 5 verify's 6 rows x 4
+# query heads of a Llama-3 kv group take one 32-row tile instead of six 16-row ones, each
+# reading every key again. Split launches pack only into the 16-row tile one row uses.
+PACK_TILE_ROWS = 32
 PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
 # A split without a key tile leaves at once: with the rows known (rows_per_request) before
 # its PDL wait, so it frees its SM (8 warps at ~250 registers fill one) while the qkv
@@ -301,7 +306,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     rows_per_request (0: not known): every request has this many consecutive rows (1 for a
     decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
     key tile once, while they fit the tile of query rows a single row uses (so each row's
-    arithmetic stays the same); (b) the keys at the rows' own positions are the only ones
+    arithmetic stays the same) in split launches, or PACK_TILE_ROWS rows in others; (b) the keys at the rows' own positions are the only ones
     the kernel just before (rotary + KV write) may write: under PDL the other keys of the
     first tile, positions and block tables are read before waiting for it."""
     num_rows, num_heads, head_dim = q.shape
@@ -327,7 +332,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     pdl = pdl_supported(q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    pack = rpr if rpr > 1 and rpr * group <= group_pad else 1
+    pack_limit = group_pad if splits > 1 else max(group_pad, PACK_TILE_ROWS)
+    pack = rpr if rpr > 1 and rpr * group <= pack_limit else 1
+    group_pad = max(group_pad, triton.next_power_of_2(pack * group))
     units = num_rows // pack * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
         part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,

@@ -1,7 +1,7 @@
 """Decode attention of the 8B shape with and without the split over keys, by context.
 
     python scripts/bench_attention.py [--contexts 256,1024,4096,16384]
-    python scripts/bench_attention.py --verify 32:6,64:6,8:4 --contexts 340
+    python scripts/bench_attention.py --verify 32:6,64:6,8:6 --contexts 340
 
 One decode row (32 q heads, 8 kv heads, D = 128, bf16) over a paged context: each figure is
 one call's time in a CUDA graph of 32 calls on 32 layers' caches (scripts/sweep_small_linear
@@ -44,7 +44,7 @@ def verify_call(batch: int, rows: int, context: int, layers: int = 32):
     req = torch.arange(batch, device="cuda").repeat_interleave(rows)
     pos = (context + torch.arange(rows, device="cuda")).repeat(batch)
 
-    def run(_config=None):
+    def run():
         return [ta.triton_paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs,
                                           rows_per_request=rows) for kc, vc in caches]
     kv_bytes = batch * 2 * (context + rows) * kv_heads * d * 2

@@ -365,9 +365,9 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
                       "verify-6": ([6] * 4, [1200, 700, 2, 333])}[batch]
     q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
                                                       q_lens, starts)
+    rpr = 6 if batch == "verify-6" else 4
     outs = []
     for backend in ("torch", "triton"):
-        rpr = 6 if batch == "verify-6" else 4
         meta = build_attention_metadata(tables, rpr if "verify" in batch else q_lens, positions,
                                         bs, int(positions.max()) + 1, window, backend)
         outs.append(cached_attention(q, kc, vc, meta, head_dim ** -0.5).float())

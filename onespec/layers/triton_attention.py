@@ -306,9 +306,10 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     rows_per_request (0: not known): every request has this many consecutive rows (1 for a
     decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
     key tile once, while they fit the tile of query rows a single row uses (so each row's
-    arithmetic stays the same) in split launches, or PACK_TILE_ROWS rows in others; (b) the keys at the rows' own positions are the only ones
-    the kernel just before (rotary + KV write) may write: under PDL the other keys of the
-    first tile, positions and block tables are read before waiting for it."""
+    arithmetic stays the same) in split launches, or PACK_TILE_ROWS rows in others; (b)
+    the keys at the rows' own positions are the only ones the kernel just before (rotary +
+    KV write) may write: under PDL the other keys of the first tile, positions and block
+    tables are read before waiting for it."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

@@ -106,7 +106,7 @@ def _inference_step_logits(head, embed, features, ids, row, num_steps):
         rep = attn.num_heads // attn.num_kv_heads
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(n, attn.q_size))
+        return out.transpose(1, 2).reshape(n, attn.q_size)
 
     h = layer(embed(ids[1:row + 2]), head.fc(features[:row + 1]), torch.arange(row + 1),
               head.rotary, None, attn_fn=cached_attention)[row:]

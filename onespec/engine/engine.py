@@ -13,6 +13,8 @@ from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
+from onespec.kernels.settings import KernelSettings
+from onespec.layers.ops import TORCH_OPS, TorchOps, make_ops
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
@@ -41,10 +43,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_target(path: str, device, dtype, dummy: bool = False) -> LlamaForCausalLM:
+def load_target(path: str, device, dtype, dummy: bool = False,
+                ops: TorchOps = TORCH_OPS) -> LlamaForCausalLM:
+    """The target model at `path` (random weights if `dummy`), built with the backend `ops`."""
     cfg = DecoderConfig.from_hf(read_config(path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, ops)
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -71,7 +75,13 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         dummy = config.load_format == "dummy"
-        self.model = load_target(config.model, self.device, self.dtype, dummy)
+        backend = self._attention_backend()
+        # the kernels' settings, fixed here for the engine's life: the backend every layer
+        # is built with
+        self.kernel_settings = KernelSettings(triton=backend == "triton",
+                                              pdl=config.programmatic_launch)
+        self.ops = make_ops(self.kernel_settings)
+        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
@@ -102,14 +112,9 @@ class Engine:
         worker = SpecWorker(self.model, drafter,
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
-                            generator=self.generator,
-                            attn_backend=self._attention_backend())
-        fast = worker.attn_backend == "triton"     # Triton kernels for decode-sized batches
-        self.model.fast_kernels = fast
-        if drafter is not None:
-            drafter.head.fast_kernels = fast
+                            generator=self.generator, attn_backend=backend)
         graphs = None
-        if config.cuda_graphs and fast:
+        if config.cuda_graphs and self.kernel_settings.triton:
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -141,7 +146,8 @@ class Engine:
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
         draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
         head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
-                                draft_dtype, dummy=self.config.load_format == "dummy")
+                                draft_dtype, dummy=self.config.load_format == "dummy",
+                                ops=self.ops)
         return Eagle3Drafter(head.eval(), self.model, tuple(capture))
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from onespec.layers.linear import fused_linear
 from onespec.models.eagle3 import Eagle3Head
 from onespec.models.llama import LlamaForCausalLM
 
@@ -35,8 +34,7 @@ class Eagle3Drafter:
         return self.head.config.draft_vocab_size
 
     def initial_hidden(self, captured, final_hidden):
-        return fused_linear(self.head.fc, captured.to(self.dtype),
-                            fast=self.head.fast_kernels)                    # [T, H]
+        return self.head.initial_hidden(captured.to(self.dtype))           # [T, H]
 
     def forward(self, input_ids, positions, hidden, meta):
         # the head gathers the embedding rows itself (one kernel with its input norms)

@@ -1,12 +1,13 @@
 """Inputs of a generation step taken from the step before it, on the device.
 
-With the overlap scheduler (engine.py) step n+1 is launched before the host has seen step
-n's results, so for each request that continues, its next inputs are derived where those
-results are: the first row's token is the last accepted one, the other rows are the new
-drafts, and every position moves on by the number of tokens step n accepted.
+With the overlap scheduler (engine/engine.py) step n+1 is launched before the host has seen
+step n's results, so for each request that continues, its next inputs are derived where
+those results are: the first row's token is the last accepted one, the other rows are the
+new drafts, and every position moves on by the number of tokens step n accepted.
 
-Both live in flat int64 buffers laid out by CudaGraphRunner._layout (inputs) and as
-[accepted (b, k+1) | num_accepted (b) | drafts (b, k)] (the previous step's results).
+Both live in flat int64 buffers laid out by CudaGraphRunner._layout (engine/cuda_graph.py;
+the inputs) and as [accepted (b, k+1) | num_accepted (b) | drafts (b, k)] (the previous
+step's results).
 """
 from __future__ import annotations
 

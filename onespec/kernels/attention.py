@@ -29,34 +29,24 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.layers.triton_linear import INTERPRETED, pdl_launch, pdl_start, pdl_supported, \
-    stamp, trace_buffer
+from onespec.kernels.launch import INTERPRETED, pdl_launch, pdl_start
 
 NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # launches of up to this many rows split their keys
 SPLITS = 16
 # decode-sized launches, 16-bit keys of head_dim <= 128: 256-key tiles, 8 warps, one stage.
 # Up to 256 keys one program per (row, kv head) holds them all, read before its PDL wait,
-# and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles;
-# docs/PERFORMANCE.md, 2l)
+# and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles)
 SPLIT_CONFIG = (256, 8, 1)
 # launches of more rows, where every request has a few (decode steps and verifies of larger
 # batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
-# batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling; docs/PERFORMANCE.md 2r)
+# batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling)
 ROWS_CONFIG = (128, 4, 2)
 # launches without splits pack a request's rows into a tile of up to this many (row,
 # query head) rows, read each key tile once for all of them: a K = 5 verify's 6 rows x 4
 # query heads of a Llama-3 kv group take one 32-row tile instead of six 16-row ones, each
 # reading every key again. Split launches pack only into the 16-row tile one row uses.
 PACK_TILE_ROWS = 32
-PRELOAD = True          # read older keys before waiting for the rotary kernel (see below)
-# A split without a key tile leaves at once: with the rows known (rows_per_request) before
-# its PDL wait, so it frees its SM (8 warps at ~250 registers fill one) while the qkv
-# kernel still runs, and the successor's launch waits only for the splits that work.
-IDLE_EXIT = True
-# The last split merges the partials with every split's loads in flight at once (one L2
-# round trip) instead of one split after another (see _merge_splits)
-MERGE_UNROLLED = True
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -125,18 +115,15 @@ def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
-        TR, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+        stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         scale, window, num_kv_heads,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        TRACING: tl.constexpr, IDLE_EXIT: tl.constexpr = True,
-        MERGE_UNROLLED: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16):
-    stamp(TR, 0, TRACING)
+        MERGE_ROWS: tl.constexpr = 16):
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
-        stamp(TR, 1, TRACING)
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,9 +143,12 @@ def _paged_attention_kernel(
     t_lo = lo_min // BLOCK_N
     t_hi = pos_max // BLOCK_N
     t0 = _first_tile(split, t_lo, SPLITS)
-    if IDLE_EXIT:
-        if t0 > t_hi:       # no key tile for this split (it writes nothing, takes no ticket)
-            return
+    # A split without a key tile leaves at once (it writes nothing, takes no ticket): with
+    # the rows known before its PDL wait, it frees its SM (8 warps at ~250 registers fill
+    # one) while the qkv kernel still runs, and the successor's launch waits only for the
+    # splits that work.
+    if t0 > t_hi:
+        return
     n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
                                        kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
                                        BLOCK_N)
@@ -174,7 +164,6 @@ def _paged_attention_kernel(
         k = tl.load(K_CACHE + kv_off, mask=old, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=old, other=0.0)
         pdl_start(PDL)
-        stamp(TR, 1, TRACING)
         k = tl.load(K_CACHE + kv_off, mask=new, other=k)
         v = tl.load(V_CACHE + kv_off, mask=new, other=v)
     else:
@@ -194,7 +183,6 @@ def _paged_attention_kernel(
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
         m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    stamp(TR, 2, TRACING)
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)
     else:
@@ -207,8 +195,7 @@ def _paged_attention_kernel(
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, merge_ptrs,
                       gm_ok[:, None] & d_ok[None, :], t_lo, t_hi,
                       pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, GROUP_PAD,
-                      DIM_PAD, MERGE_ROWS, SPLITS, MERGE_UNROLLED)
-    stamp(TR, 3, TRACING)
+                      DIM_PAD, MERGE_ROWS, SPLITS)
 
 
 @triton.jit
@@ -222,17 +209,16 @@ def _store_normalised(out_ptrs, acc, l, out_mask):
 def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge_ptrs,
                   merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d,
                   GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                  SPLITS: tl.constexpr, UNROLLED: tl.constexpr):
+                  SPLITS: tl.constexpr):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
     merges them all in split order (the same arithmetic whichever program comes last;
     a split with no key visible to a row adds exact zeros to it). Splits without keys
     leave at once; keys within one tile need no merge. Only the tile's real rows are
     stored (g_ok) and merged (the first MERGE_ROWS rows; merge_ptrs, merge_mask).
 
-    UNROLLED: the merge loop is unrolled and each split's loads are predicated rather than
-    branched over, so they can all be in flight at once (one L2 round trip for the
-    partials instead of one per split); a split without keys leaves the state as it is,
-    so the result is the same as the loop's."""
+    The merge loop is unrolled and each split's loads are predicated rather than branched
+    over, so they are all in flight at once (one L2 round trip for the partials instead of
+    one per split); a split without keys leaves the state as it is."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
     if t_hi == t_lo:
@@ -251,22 +237,14 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge
         m_all = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
         l_all = tl.zeros([MERGE_ROWS], tl.float32)
         o_all = tl.zeros([MERGE_ROWS, DIM_PAD], tl.float32)
-        if UNROLLED:
-            for s in tl.static_range(SPLITS):
-                has = _first_tile(s, t_lo, SPLITS) <= t_hi
-                o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
-                                              merge_mask, has, GROUP_PAD, DIM_PAD)
-                m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
-                m_all = tl.where(has, m_new, m_all)
-                l_all = tl.where(has, l_new, l_all)
-                o_all = tl.where(has, o_new, o_all)
-        else:
-            for s in range(0, SPLITS):
-                has = _first_tile(s, t_lo, SPLITS) <= t_hi
-                if has:
-                    o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
-                                                  merge_mask, has, GROUP_PAD, DIM_PAD)
-                    m_all, l_all, o_all = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+        for s in tl.static_range(SPLITS):
+            has = _first_tile(s, t_lo, SPLITS) <= t_hi
+            o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
+                                          merge_mask, has, GROUP_PAD, DIM_PAD)
+            m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+            m_all = tl.where(has, m_new, m_all)
+            l_all = tl.where(has, l_new, l_all)
+            o_all = tl.where(has, o_new, o_all)
         _store_normalised(merge_ptrs, o_all, l_all, merge_mask)
 
 
@@ -295,18 +273,21 @@ def _merge_one(m_all, l_all, o_all, m_s, l_s, o_s):
     return m_new, l_all * a + l_s * b, o_all * a[:, None] + o_s * b[:, None]
 
 
-def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positions,
-                           scale: float, block_size: int, window: int | None = None,
-                           config: tuple[int, int, int] | None = None,
-                           rows_per_request: int = 0):
+def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
+                    block_size: int, window: int | None = None, *,
+                    rows_per_request: int = 0, pdl: bool = False,
+                    config: tuple[int, int, int] | None = None, splits: int = SPLITS,
+                    pack_tile_rows: int = PACK_TILE_ROWS):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
-    config: (BLOCK_N, num_warps, num_stages) instead of the default.
+    pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
+    num_stages) instead of the default; splits, pack_tile_rows: instead of SPLITS and
+    PACK_TILE_ROWS (benchmarks and tests).
 
     rows_per_request (0: not known): every request has this many consecutive rows (1 for a
     decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
     key tile once, while they fit the tile of query rows a single row uses (so each row's
-    arithmetic stays the same) in split launches, or PACK_TILE_ROWS rows in others; (b)
+    arithmetic stays the same) in split launches, or pack_tile_rows rows in others; (b)
     the keys at the rows' own positions are the only ones the kernel just before (rotary +
     KV write) may write: under PDL the other keys of the first tile, positions and block
     tables are read before waiting for it."""
@@ -319,7 +300,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         return out
     # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
     # 64 (scripts/sweep_small_linear.py on an H200)
-    splits = SPLITS if num_rows <= MAX_SPLIT_ROWS else 1
+    splits = splits if num_rows <= MAX_SPLIT_ROWS else 1
     if config is None:
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
@@ -330,10 +311,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
         else:
             config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
-    pdl = pdl_supported(q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    pack_limit = group_pad if splits > 1 else max(group_pad, PACK_TILE_ROWS)
+    pack_limit = group_pad if splits > 1 else max(group_pad, pack_tile_rows)
     pack = rpr if rpr > 1 and rpr * group <= pack_limit else 1
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
     units = num_rows // pack * num_kv_heads
@@ -346,17 +326,15 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, token_req, positio
     else:
         part_o = part_ml = tickets = out
     grid = (num_rows // pack, num_kv_heads, splits)
-    tr = trace_buffer("attention", grid[0] * grid[1] * grid[2], q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
-        tr, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), scale, window or NO_WINDOW,
         num_kv_heads,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
-        RPR=rpr if PRELOAD else 0, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
-        IEEE=q.dtype == torch.float32 or INTERPRETED,
-        PDL=pdl, TRACING=tr is not None, IDLE_EXIT=IDLE_EXIT, MERGE_UNROLLED=MERGE_UNROLLED,
+        RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
+        IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
         MERGE_ROWS=triton.next_power_of_2(pack * group), num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))

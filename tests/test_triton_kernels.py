@@ -496,7 +496,7 @@ def test_triton_eagle3_drafter_matches_portable_path(tmp_path, norm_before_resid
     from onespec.engine.kv_cache import allocate_kv_cache
     from onespec.models.eagle3_io import load_eagle3_head
     from onespec.engine.engine import load_target
-    from onespec.spec.drafters import Eagle3Drafter
+    from onespec.speculative.eagle3 import Eagle3Drafter
     hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
     make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=num_layers,
                      norm_before_residual=norm_before_residual)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
-from onespec.spec.worker import SpecWorker, StepInputs
+from onespec.speculative.worker import SpecWorker, StepInputs
 
 
 @dataclass

@@ -21,9 +21,9 @@ from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.llama import DecoderConfig, LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
 from onespec.sampling_params import SamplingParams
-from onespec.spec.drafters import Eagle3Drafter
-from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
-from onespec.spec.worker import SpecWorker
+from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
+from onespec.speculative.eagle3 import Eagle3Drafter
+from onespec.speculative.worker import SpecWorker
 
 CPU_KV_BUDGET_BYTES = 4 << 30
 

@@ -1,4 +1,4 @@
-"""Acceptance of drafted tokens (SPEC.md §4) as pure tensor functions.
+"""Acceptance of drafted tokens (docs/DECODING.md, "acceptance") as pure tensor functions.
 
 Every function returns `accepted_tokens [B, K+1]` and `num_accepted [B]` (>= 1): the
 first num_accepted entries of a row are its emitted tokens, the last of them being the

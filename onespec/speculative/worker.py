@@ -1,4 +1,5 @@
-"""The one-model speculative step (SPEC.md §1, §3, §4): target verify -> accept -> draft loop.
+"""The one-model speculative step (docs/DECODING.md, "one engine step", "draft loop"):
+target verify -> accept -> draft loop.
 
 A batch holds Bc context chunks (rows first) and Bg generation requests of K+1 rows each.
 All work stays on the device; the caller copies the small results to the host once.
@@ -12,7 +13,8 @@ import torch
 from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
                                       build_attention_metadata)
 from onespec.layers.sampler import SamplingTensors, probs_from_logits, sample, sample_from_probs
-from onespec.spec.acceptance import forced_num_accepted, rejection_accept, strict_accept
+from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
+from onespec.speculative.drafter import Drafter
 
 
 @dataclass
@@ -49,7 +51,7 @@ class StepResults:
 
 
 class SpecWorker:
-    def __init__(self, target, drafter=None, use_rejection_sampling: bool = False,
+    def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
                  force_acceptance_length: float | None = None, generator=None,
                  attn_backend: str = "torch"):
         self.target, self.drafter = target, drafter

@@ -1,4 +1,5 @@
-"""When and how much to draft (SPEC.md §7): draft_len_schedule and the speculation gate."""
+"""When and how much to draft (docs/DECODING.md, "around the loop"): draft_len_schedule and
+the speculation gate."""
 from __future__ import annotations
 
 from collections import deque

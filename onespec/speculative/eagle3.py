@@ -1,13 +1,5 @@
-"""Drafters: one class per method behind one small interface used by the spec worker.
-
-    capture_layers                      target layers whose residual stream the drafter reads
-    attention_layers                    its KV layers (extra layers of the same block pool)
-    initial_hidden(captured, final)     step-0 hidden input           -> [T, H]
-    forward(ids, positions, h, meta)    one draft layer pass, writes draft KV -> pre-norm [T, H]
-    compute_logits(h)                   draft-vocab logits            -> [N, Vd]
-    greedy_target_ids(h)                their argmax, as target ids   -> [N]
-    to_target_ids(ids)                  draft ids -> target ids
-"""
+"""EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head"): the head over the target's
+captured layers, behind the drafter interface of drafter.py."""
 from __future__ import annotations
 
 import torch

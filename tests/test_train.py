@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_hf_model
 from onespec import LLM, Eagle3Config, SamplingParams
-from onespec.engine.engine import load_target, load_tokenizer
+from onespec.models.registry import load_target, load_tokenizer
 from onespec.models.eagle3_io import save_eagle3_head
 from onespec.train.data import Sample, chat_tokens, make_batches, records_to_samples
 from onespec.train.features import TargetBatch, dense_forward, project_qkv, target_batch

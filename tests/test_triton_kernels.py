@@ -460,7 +460,7 @@ def test_triton_decoder_matches_portable_path(tmp_path, arch):
     over the cache the previous ones wrote. qwen3's head_dim 24 takes the PyTorch q/k-norm
     and rotary inside the Triton path."""
     from onespec.engine.kv_cache import allocate_kv_cache
-    from onespec.engine.engine import load_target
+    from onespec.models.registry import load_target
     make_hf_model(tmp_path, arch, num_layers=2)
     torch.manual_seed(0)
     ids = torch.randint(3, 128, (65,), device=DEV)
@@ -495,7 +495,7 @@ def test_triton_eagle3_drafter_matches_portable_path(tmp_path, norm_before_resid
     4-row step 0 and a single-row later step over the draft KV the first one wrote."""
     from onespec.engine.kv_cache import allocate_kv_cache
     from onespec.models.eagle3_io import load_eagle3_head
-    from onespec.engine.engine import load_target
+    from onespec.models.registry import load_target
     from onespec.speculative.eagle3 import Eagle3Drafter
     hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
     make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=num_layers,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
@@ -14,59 +13,18 @@ from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
 from onespec.kernels.settings import KernelSettings
-from onespec.layers.ops import TORCH_OPS, TorchOps, make_ops
+from onespec.layers.ops import make_ops
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
-from onespec.models.llama import DecoderConfig, LlamaForCausalLM
-from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.loader import read_config
+from onespec.models.registry import load_target, load_tokenizer, resolve_device, resolve_dtype
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.worker import SpecWorker
 
 CPU_KV_BUDGET_BYTES = 4 << 30
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
-def load_target(path: str, device, dtype, dummy: bool = False,
-                ops: TorchOps = TORCH_OPS) -> LlamaForCausalLM:
-    """The target model at `path` (random weights if `dummy`), built with the backend `ops`."""
-    cfg = DecoderConfig.from_hf(read_config(path))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops)
-    model.to_empty(device=device if dummy else "cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if dummy:
-        init_dummy_weights(model)
-        return model.to(dtype=dtype).eval()
-    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
-        else (lambda n: n)
-    load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def load_tokenizer(path: str):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Engine:

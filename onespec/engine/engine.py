@@ -7,7 +7,8 @@ import torch
 
 from onespec.config import Eagle3Config, EngineConfig
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
+                                     slots_per_step)
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
@@ -111,7 +112,7 @@ class Engine:
     def _num_kv_blocks(self, attn_layers, k: int) -> int:
         cfg = self.config
         per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
-        blocks_per_seq = -(-(self.max_model_len + max(k + 1, 2 * k)) // cfg.block_size)
+        blocks_per_seq = -(-(self.max_model_len + slots_per_step(k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
         else:      # a fraction of free memory, but never more than the batch can use

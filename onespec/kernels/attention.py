@@ -299,7 +299,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     if num_rows == 0:
         return out
     # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
-    # 64 (scripts/sweep_small_linear.py on an H200)
+    # 64 (swept on an H200)
     splits = splits if num_rows <= MAX_SPLIT_ROWS else 1
     if config is None:
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem

@@ -19,9 +19,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value, low: int, high: int = INT64_MAX, what: str = ""):
-    if not (_is_int(value) and low <= value <= high):
-        raise ValueError(f"{name} must be an integer in [{low}, {high}]{what}, got {value!r}")
+def _check_int(name: str, value, low: int, what: str = ""):
+    """value must be an int (not a bool) in [low, 2**63): what int64 tensors can hold."""
+    if not (_is_int(value) and low <= value <= INT64_MAX):
+        low_text = "-2**63" if low == INT64_MIN else str(low)
+        raise ValueError(f"{name} must be an integer >= {low_text} and < 2**63{what}, "
+                         f"got {value!r}")
 
 
 @dataclass
@@ -70,7 +73,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
             if not (_is_int(t) and 0 <= t <= INT64_MAX):
-                raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}], "
+                raise ValueError(f"stop_token_ids must be integers >= 0 and < 2**63, "
                                  f"got {t!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import assert_pool_full, make_eagle3_head
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.layers.sampler import probs_from_logits
 
@@ -22,11 +22,12 @@ NUM_SEEDED = 20
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("robust")
-    hf = make_hf_model(root / "target", "llama", vocab_size=VOCAB)
-    make_eagle3_head(root / "head", hf)
-    return str(root / "target"), str(root / "head")
+def dirs(tiny_models, tmp_path_factory):
+    """(target, EAGLE-3 head) directories: conftest's tiny llama and a random head for it."""
+    target, hf = tiny_models["llama"]
+    head = tmp_path_factory.mktemp("robust") / "head"
+    make_eagle3_head(head, hf)
+    return target, str(head)
 
 
 @pytest.fixture(scope="module")

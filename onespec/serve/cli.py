@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -23,6 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     return p
+
+
+def configure_logging(level: str):
+    """onespec's own log lines (engine failures, disconnects) in uvicorn's format."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("onespec")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def served_name(model_dir: str) -> str:
@@ -50,9 +61,10 @@ def main(argv=None) -> int:
         return 2
     try:
         llm = build_llm(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:          # bad files or settings: one line, no trace
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
                      args.max_request_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

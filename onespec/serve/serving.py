@@ -67,8 +67,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
-        # parsing bodies, chat templates and tokenizing run here, off the event loop (one
-        # thread: a tokenizer object is not meant to be used by two threads at once)
+        # parsing bodies, chat templates and tokenizing run here, off the event loop; one
+        # thread, so two encodes never overlap (transformers may reset a fast tokenizer's
+        # truncation settings before encoding, which another encode must not see)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onespec-tokenize")
 
     async def prepare(self, body: bytes, chat: bool) -> tuple[Job, bool]:

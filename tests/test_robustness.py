@@ -273,6 +273,20 @@ def test_shards_inside_the_directory_load(model_copy, dirs):
     assert token_ids(outs) == token_ids(ref)
 
 
+def test_hugging_face_cache_links_into_blobs_load(dirs, tmp_path):
+    """The hub's cache links snapshots/REV/* to ../../blobs/*: that way out is allowed."""
+    repo = tmp_path / "models--tiny--llama"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    os.makedirs(snapshot)
+    os.makedirs(blobs)
+    for name in os.listdir(dirs[0]):
+        shutil.copy(os.path.join(dirs[0], name), blobs / f"blob-{name}")
+        (snapshot / name).symlink_to(f"../../blobs/blob-{name}")
+    outs = load(snapshot).generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert token_ids(outs) == token_ids(load(dirs[0]).generate([[5, 6, 7]],
+                                                              SamplingParams(max_tokens=4)))
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo this should never run",))

@@ -1,37 +1,82 @@
 """Per-request sampling parameters (names follow vLLM / TensorRT-LLM)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Temperatures below this are greedy: logits / T would leave float32's range.
+MIN_TEMPERATURE = 1e-5
+# Above this the distribution is uniform to float32 precision anyway.
+MAX_TEMPERATURE = 100.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int, what: str = ""):
+    """value must be an int (not a bool) in [low, 2**63): what int64 tensors can hold."""
+    if not (_is_int(value) and low <= value <= INT64_MAX):
+        low_text = "-2**63" if low == INT64_MIN else str(low)
+        raise ValueError(f"{name} must be an integer >= {low_text} and < 2**63{what}, "
+                         f"got {value!r}")
 
 
 @dataclass
 class SamplingParams:
+    """How one request samples.
+
+    max_tokens       integer in [1, 2**63 - 1]
+    temperature      number in [0, 100]; 0 = greedy, and so is any temperature below 1e-5
+                     (it is stored as 0.0): logits / T would overflow float32
+    top_k            integer in [0, 2**63 - 1]; 0 or -1 = off
+    top_p            number in (0, 1]; 1 = off
+    seed             None, or an integer in [-2**63, 2**63 - 1]: the request's random draws
+                     are a function of (seed, position of the token drawn) only, so its
+                     output does not depend on the batch, chunking or preemption
+    stop_token_ids   integers in [0, 2**63 - 1] (the engine also checks them against the
+                     vocabulary)
+    Booleans are not integers here, and strings are not numbers.
+    """
     max_tokens: int = 16
-    temperature: float = 0.0          # 0 = greedy
-    top_k: int = 0                    # 0 or -1 = off
-    top_p: float = 1.0                # 1 = off
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        t = self.temperature
+        if not (_is_number(t) and math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] "
+                             f"(0 = greedy), got {t!r}")
+        self.temperature = 0.0 if t < MIN_TEMPERATURE else float(t)
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        _check_int("top_k", self.top_k, 0, what=" (0 or -1 = off)")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        self.top_p = float(self.top_p)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN)
+        if isinstance(self.stop_token_ids, (str, bytes)) or \
+                not hasattr(self.stop_token_ids or [], "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of integers, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not (_is_int(t) and 0 <= t <= INT64_MAX):
+                raise ValueError(f"stop_token_ids must be integers >= 0 and < 2**63, "
+                                 f"got {t!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

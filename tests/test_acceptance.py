@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from onespec.layers.sampler import probs_from_logits, sample_from_probs
+from onespec.layers.sampler import SeededRows, probs_from_logits, sample_from_probs
 from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 
@@ -12,6 +12,10 @@ def _gen(seed: int) -> torch.Generator:
 
 def _long(rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def _seeded(rows, seeds, first_draft_positions) -> SeededRows:
+    return SeededRows(_long(rows), _long(seeds), _long(first_draft_positions), tuple(rows))
 
 
 # ---- strict acceptance ------------------------------------------------------------------
@@ -50,7 +54,7 @@ def test_rejection_one_hot_accepts_iff_same_token():
     p_tokens = [[3, 5, 7], [3, 6, 7], [2, 5, 7]]
     accepted, num_accepted = rejection_accept(
         _long(q_tokens), _one_hot(q_tokens, vocab), _one_hot(p_tokens, vocab),
-        [None, _gen(1), None], _gen(0))
+        _seeded([1], [1], [5]), _gen(0))
     assert num_accepted.tolist() == [3, 2, 1]
     assert [accepted[b, :n].tolist() for b, n in enumerate(num_accepted.tolist())] == \
         [[3, 5, 7], [3, 6], [2]]
@@ -59,7 +63,7 @@ def test_rejection_one_hot_accepts_iff_same_token():
 def test_rejection_k0_samples_from_p():
     p = _one_hot([[4], [0]], 6)
     accepted, num_accepted = rejection_accept(
-        torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, 0, 6), p, [None, None])
+        torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, 0, 6), p)
     assert accepted.tolist() == [[4], [0]] and num_accepted.tolist() == [1, 1]
 
 
@@ -68,7 +72,7 @@ def test_rejection_zero_residual_falls_back_to_p():
     p = torch.tensor([[[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]]).expand(500, 2, 3)
     q = torch.tensor([[[0.5, 0.5, 0.0]]]).expand(500, 1, 3)
     accepted, num_accepted = rejection_accept(
-        torch.full((500, 1), 2, dtype=torch.int64), q, p, [None] * 500, _gen(2))
+        torch.full((500, 1), 2, dtype=torch.int64), q, p, None, _gen(2))
     assert (num_accepted == 1).all()
     assert set(accepted[:, 0].tolist()) == {0, 1}
 
@@ -77,9 +81,11 @@ def test_rejection_seeded_rows_reproducible():
     p = torch.softmax(torch.randn(3, 4, 12, generator=_gen(3)), -1)
     q = torch.softmax(torch.randn(3, 3, 12, generator=_gen(4)), -1)
     drafts = torch.randint(0, 12, (3, 3), generator=_gen(5))
-    a = rejection_accept(drafts, q, p, [_gen(7), _gen(8), _gen(9)])
-    b = rejection_accept(drafts, q, p, [_gen(7), _gen(8), _gen(9)])
+    a = rejection_accept(drafts, q, p, _seeded([0, 1, 2], [7, 8, 9], [4, 4, 9]), _gen(1))
+    b = rejection_accept(drafts, q, p, _seeded([0, 1, 2], [7, 8, 9], [4, 4, 9]), _gen(2))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = rejection_accept(drafts[1:], q[1:], p[1:], _seeded([0], [8], [4]))
+    assert torch.equal(a[0][1], c[0][0]) and a[1][1] == c[1][0]   # row alone: same draws
 
 
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -98,9 +104,9 @@ def test_rejection_emits_target_distribution(filtered):
     p, q = probs_from_logits(torch.stack([logits_p, logits_q]), temperature, top_k, top_p)
     assert _kl(p, q) > 0.05   # the drafter really is different
 
-    drafts = sample_from_probs(q.expand(n * k, vocab), [None] * (n * k), _gen(12)).view(n, k)
+    drafts = sample_from_probs(q.expand(n * k, vocab), _gen(12)).view(n, k)
     accepted, num_accepted = rejection_accept(
-        drafts, q.expand(n, k, vocab), p.expand(n, k + 1, vocab), [None] * n, _gen(13))
+        drafts, q.expand(n, k, vocab), p.expand(n, k + 1, vocab), None, _gen(13))
     assert ((num_accepted >= 1) & (num_accepted <= k + 1)).all()
     assert (num_accepted > 1).any() and (num_accepted == 1).any()
 

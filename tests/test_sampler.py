@@ -1,7 +1,7 @@
 import torch
 
-from onespec.layers.sampler import (SamplingTensors, probs_from_logits, sample,
-                                    sample_from_probs)
+from onespec.layers.sampler import (DRAFT_DRAW, TARGET_DRAW, SamplingTensors, counter_uniform,
+                                    probs_from_logits, sample, sample_from_probs)
 from onespec.sampling_params import SamplingParams
 
 
@@ -29,44 +29,59 @@ def test_greedy_rows_in_mixed_batch_are_argmax():
     logits = torch.randn(4, 30, generator=_gen(1))
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=3),
               SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.8)]
-    st = SamplingTensors.build(params, [None, _gen(3), None, None], "cpu")
-    assert not st.all_greedy
+    st = SamplingTensors.build(params, [5, 5, 5, 5], "cpu")
+    assert not st.all_greedy and st.seeded.host_index == (1,)
     for _ in range(20):
         out = sample(logits, st)
         assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
+def _seeded(seeds, positions, temperature=1.0, top_p=1.0) -> SamplingTensors:
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s) for s in seeds]
+    return SamplingTensors.build(params, positions, "cpu")
+
+
 def test_seeded_rows_reproducible_and_distinct():
-    flat = torch.zeros(1, 1000)
-    st = SamplingTensors.build([SamplingParams(temperature=1.0)], None, "cpu")
-
-    def run(seed: int) -> list[torch.Tensor]:
-        g = _gen(seed)
-        return [sample(flat, SamplingTensors(st.temperature, st.top_k, st.top_p, [g], False))
-                for _ in range(10)]
-
-    assert torch.equal(torch.cat(run(7)), torch.cat(run(7)))
-    assert not torch.equal(torch.cat(run(7)), torch.cat(run(8)))
+    flat = torch.zeros(10, 1000)
+    run = lambda seed: sample(flat, _seeded([seed] * 10, list(range(10))))  # noqa: E731
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+    assert len(set(run(7).tolist())) >= 8           # positions give different draws
 
 
-def test_seeded_row_independent_of_batch_composition():
+def test_seeded_row_is_a_function_of_seed_and_position_only():
     logits = torch.randn(5, 200, generator=_gen(2))
-    params = [SamplingParams(temperature=1.0, top_p=0.95)] * 5
-    alone = sample(logits[2:3], SamplingTensors.build(params[:1], [_gen(42)], "cpu"))
-    batch_gens = [None, _gen(1), _gen(42), None, _gen(5)]
-    in_batch = sample(logits, SamplingTensors.build(params, batch_gens, "cpu"),
-                      default_generator=_gen(9))
-    assert in_batch[2] == alone[0]
+    alone = sample(logits[2:3], _seeded([42], [17], top_p=0.95))
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (None, 1, 42)] + \
+        [SamplingParams(temperature=1.0, top_p=0.95)] * 2
+    st = SamplingTensors.build(params, [3, 9, 17, 4, 5], "cpu")
+    for g in (_gen(9), _gen(10)):
+        assert sample(logits, st, default_generator=g)[2] == alone[0]
+    other_position = [int(sample(logits[2:3], _seeded([42], [p], top_p=0.95))) for p in
+                      range(18, 40)]
+    assert len(set(other_position)) > 1
 
 
-def test_shared_generator_draws_in_row_order():
-    probs = torch.full((2, 500), 1.0 / 500)
-    g = _gen(11)
-    together = sample_from_probs(probs, [g, g])
-    g = _gen(11)
-    first = sample_from_probs(probs[:1], [g])
-    second = sample_from_probs(probs[:1], [g])
-    assert torch.equal(together, torch.cat([first, second]))
+def test_seeded_draws_follow_the_distribution():
+    """Counter-based noise over many (seed, position) pairs samples softmax(logits / T)."""
+    n, v, temperature = 100_000, 10, 0.7
+    row = torch.randn(v, generator=_gen(9)) * 1.5
+    seeds = torch.arange(n) % 1000 - 500
+    st = _seeded(seeds.tolist(), (torch.arange(n) // 1000).tolist(), temperature=temperature)
+    tokens = sample(row.expand(n, v), st)
+    empirical = torch.bincount(tokens, minlength=v).float() / n
+    expected = (row / temperature).softmax(-1)
+    assert 0.5 * (empirical - expected).abs().sum() < 0.01
+
+
+def test_counter_uniform_range_and_moments():
+    u = counter_uniform(torch.tensor([0, -1, 2**62]), torch.tensor([0, 5, 2**31 - 1]),
+                        TARGET_DRAW, 50_000)
+    assert u.shape == (3, 50_000) and bool((u > 0).all()) and bool((u < 1).all())
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert not torch.equal(u, counter_uniform(torch.tensor([0, -1, 2**62]),
+                                              torch.tensor([0, 5, 2**31 - 1]), DRAFT_DRAW,
+                                              50_000))
 
 
 def test_top_k_never_emits_filtered_token():
@@ -76,7 +91,7 @@ def test_top_k_never_emits_filtered_token():
     logits = row.expand(n, v)
     probs = probs_from_logits(logits, *_filters(n, temperature=1.3, top_k=k))
     assert int((probs[0] > 0).sum()) == k
-    tokens = sample_from_probs(probs, [None] * n, _gen(4))
+    tokens = sample_from_probs(probs, _gen(4))
     assert set(tokens.tolist()) <= allowed
     assert len(set(tokens.tolist())) == k
 
@@ -91,7 +106,7 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert kept == [{3, 1}, {3, 1}, {3, 1, 4}]
     assert torch.allclose(probs[0], torch.tensor([0.0, 1 / 3, 0.0, 2 / 3, 0.0]))
     n = 3000
-    tokens = sample_from_probs(probs[:1].expand(n, 5), [None] * n, _gen(5))
+    tokens = sample_from_probs(probs[:1].expand(n, 5), _gen(5))
     assert set(tokens.tolist()) == {1, 3}
 
 
@@ -114,7 +129,7 @@ def test_zero_prob_tokens_never_win():
     probs = torch.zeros(20000, 8)
     probs[:, 6] = 1e-30
     probs[:, 2] = 1.0
-    tokens = sample_from_probs(probs, [None] * 20000, _gen(8))
+    tokens = sample_from_probs(probs, _gen(8))
     assert set(tokens.tolist()) <= {2, 6}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -26,6 +27,17 @@ from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.worker import SpecWorker
 
 CPU_KV_BUDGET_BYTES = 4 << 30
+
+logger = logging.getLogger("onespec.engine")
+
+
+def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
+    """The batch's requests split in two (context chunks first, as in the batch)."""
+    n, ctx, gen, k = len(batch.requests) // 2, batch.context, batch.generation, batch.k
+    if n <= len(ctx):
+        return ScheduledBatch(ctx[:n], [], k), ScheduledBatch(ctx[n:], gen, k)
+    m = n - len(ctx)
+    return ScheduledBatch(ctx, gen[:m], k), ScheduledBatch([], gen[m:], k)
 
 
 class Engine:
@@ -163,6 +175,10 @@ class Engine:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
         sp = sampling_params or SamplingParams()
+        vocab = self.model.config.vocab_size
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
@@ -171,8 +187,7 @@ class Engine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        gen = None if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
-        req = Request(rid, ids, sp, generator=gen)
+        req = Request(rid, ids, sp)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -193,7 +208,10 @@ class Engine:
         behind it (its inputs taken from this one's results on the device), so the GPU
         never waits for the host's postprocessing and scheduling. Each call still returns
         one step's results; a request that finishes in step n has its row of step n+1
-        computed and dropped."""
+        computed and dropped. A step that raises is run again in parts
+        (_isolate_failure): only a request that fails alone ends, with finish_reason
+        "error"."""
+        batch, out = None, None
         try:
             if self._inflight is None:
                 k = self.draft_len_fn(self.scheduler.num_candidates)
@@ -201,14 +219,57 @@ class Engine:
                 if not batch.requests:
                     return []
                 if not (self.config.overlap_scheduler and self.runner.can_launch(batch)):
-                    return self._finish_step(batch, self.runner.run(batch))
-                self._inflight = self.runner.launch(batch)
-            current = self._inflight
-            self._inflight = self._launch_next(current)
-            return self._finish_step(current.batch, self.runner.collect(current))
+                    out = self.runner.run(batch)
+                else:
+                    self._inflight = self.runner.launch(batch)
+            if out is None:
+                current = self._inflight
+                batch = current.batch
+                self._inflight = self._launch_next(current)
+                out = self.runner.collect(current)
+        except Exception as e:       # nothing was postprocessed: the step can run again
+            self._inflight = None
+            if batch is None:
+                raise
+            return self._isolate_failure(batch, e)
         except BaseException:
             self._inflight = None
             raise
+        try:
+            return self._finish_step(batch, out)
+        except BaseException:
+            self._inflight = None
+            raise
+
+    def _isolate_failure(self, batch: ScheduledBatch, error: Exception) -> list[Request]:
+        """`batch` raised `error` before its results were postprocessed. Runs it again in
+        two halves, and a half that fails again in halves, until the failure is pinned on
+        single requests: those end with finish_reason "error" (the message in
+        Request.error) and free their blocks; the others advance as in any step. Until a
+        step fails this costs nothing."""
+        reqs = batch.requests
+        if len(reqs) == 1:
+            self._fail_request(reqs[0], error)
+            return reqs
+        logger.warning("an engine step of %d requests failed (%s: %s); running them again "
+                       "in parts", len(reqs), type(error).__name__, error)
+        advanced = []
+        for part in _halves(batch):
+            try:
+                out = self.runner.run(part)
+            except Exception as e:
+                advanced += self._isolate_failure(part, e)
+            else:
+                advanced += self._finish_step(part, out)
+        return advanced
+
+    def _fail_request(self, req: Request, error: Exception):
+        req.error = f"{type(error).__name__}: {error}"
+        logger.error("request %s failed in the engine step and was ended: %s",
+                     req.request_id, req.error)
+        self.scheduler.abort(req)           # frees its blocks
+        req.finish_reason = "error"
+        self.requests.pop(req.request_id, None)
 
     def _launch_next(self, current: PendingStep) -> PendingStep | None:
         """Launches the step after `current` for the same requests, if nothing would change

@@ -80,7 +80,7 @@ class ModelRunner:
         k = batch.k
         ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
         draft_ctx_rows = []
-        row_params, row_gens = [], []
+        row_params, row_pos = [], []       # per logit row: params, position of its token
         for c in batch.context:
             tokens = c.req.token_ids
             end = c.start + c.length
@@ -93,7 +93,7 @@ class ModelRunner:
                 draft_ctx_rows.append(len(ids) - 1)
             logit_rows.append(len(ids) - 1)
             row_params.append(c.req.sampling_params)
-            row_gens.append(c.req.generator if c.is_last else None)  # no token: no draw
+            row_pos.append(end)
         gen_start = len(ids)
         draft_rows = []
         for req in batch.generation:
@@ -106,7 +106,7 @@ class ModelRunner:
             shift += [PLACEHOLDER] * (k + 1)
             q_lens.append(k + 1)
             row_params += [req.sampling_params] * (k + 1)
-            row_gens += [req.generator] * (k + 1)
+            row_pos += range(p + 1, p + k + 2)
         reqs = batch.requests
         draft_reqs = drafting_requests(batch)
         dev = self.device
@@ -125,21 +125,22 @@ class ModelRunner:
             shift_ids=as_long(shift),
             draft_tokens=as_long(draft_rows).view(len(batch.generation), k),
             draft_probs=self._draft_probs(batch.generation, draft_rows, k),
-            row_sampling=self._sampling_rows(row_params, row_gens),
-            gen_sampling=self._sampling(batch.generation),
+            row_sampling=self._sampling_rows(row_params, row_pos),
+            gen_sampling=self._sampling(batch.generation,       # positions: first drafts
+                                        [r.num_computed + 1 for r in batch.generation]),
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
             max_kv_draft=max_kv + k, block_size=self.block_size,
         )
 
-    def _sampling(self, reqs: list[Request]) -> SamplingTensors:
-        return self._sampling_rows([r.sampling_params for r in reqs],
-                                   [r.generator for r in reqs])
+    def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:
+        return self._sampling_rows([r.sampling_params for r in reqs], positions)
 
-    def _sampling_rows(self, params, generators) -> SamplingTensors:
-        """Sampling tensors per row; all-greedy batches reuse cached ones (no host copies)."""
-        if all(p.temperature == 0.0 for p in params) and not self.worker.use_rejection_sampling:
+    def _sampling_rows(self, params, positions) -> SamplingTensors:
+        """Sampling tensors per row (positions: of the token each row draws, for seeded
+        requests); all-greedy batches reuse cached ones (no host copies)."""
+        if all(p.greedy for p in params) and not self.worker.use_rejection_sampling:
             return self.greedy(len(params))
-        return SamplingTensors.build(params, generators, self.device)
+        return SamplingTensors.build(params, positions, self.device)
 
     def _draft_probs(self, reqs: list[Request], draft_rows, k: int):
         """q of each verified draft; drafts without one (padding) get a one-hot q."""

@@ -41,13 +41,13 @@ class Request:
     arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None           # "stop", "length", "abort" or "error"
+    error: str | None = None                   # why the engine ended it ("error")
     num_computed: int = 0
     in_context: bool = True                    # prefill (or recompute) not finished yet
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
-    generator: torch.Generator | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

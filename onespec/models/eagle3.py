@@ -17,7 +17,7 @@ from torch import nn
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
+from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP, check_field_types
 
 
 @dataclass
@@ -43,9 +43,12 @@ class Eagle3HeadConfig:
             raise ValueError("not an EAGLE-3 head: config.json needs architectures "
                              "['LlamaForCausalLMEagle3'] (SafeAILab) or speculators_model_type "
                              f"'eagle3'; got architectures={cfg.get('architectures')!r}")
+        source = getattr(cfg, "source", "the EAGLE-3 head's config.json")
         layer_cfg["architectures"] = ["LlamaForCausalLM"]
         layer_cfg.setdefault("rope_theta", 10000.0)
-        decoder = DecoderConfig.from_hf(layer_cfg)
+        decoder = DecoderConfig.from_hf(layer_cfg, source)
+        check_field_types(cfg, source, ("target_hidden_size", "target_vocab_size",
+                                        "draft_vocab_size"))
         eagle = cfg.get("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids",
                         cfg.get("eagle_aux_hidden_state_layer_ids"))

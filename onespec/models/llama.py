@@ -45,11 +45,16 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+    def from_hf(cls, cfg: dict, source: str | None = None) -> "DecoderConfig":
+        """source: the file cfg came from, for messages (default: cfg.source, as
+        loader.read_config sets it)."""
+        source = source or getattr(cfg, "source", "config.json")
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None) \
+            if isinstance(archs, list) else None
         if arch is None:
             raise ValueError(f"unsupported architecture {archs!r}; supported: {ARCHITECTURES}")
+        check_field_types(cfg, source)
         try:
             hidden = cfg["hidden_size"]
             heads = cfg["num_attention_heads"]
@@ -82,7 +87,39 @@ class DecoderConfig:
                 eos_token_ids=eos,
             )
         except KeyError as e:
-            raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
+            raise ValueError(f"{source} lacks the required field {e.args[0]!r}") from None
+
+
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "max_position_embeddings", "sliding_window")
+POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window")
+
+
+def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
+    """A ValueError naming the file and the first field the decoder reads whose JSON type or
+    sign is wrong (a field that is absent or null is left to the defaults)."""
+    def bad(name: str, want: str):
+        raise ValueError(f"{source}: field {name!r} must be {want}, got {cfg[name]!r}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in int_fields:
+        if cfg.get(name) is not None and not (is_int(cfg[name]) and cfg[name] >= 1):
+            bad(name, "a positive integer")
+    for name in POSITIVE_NUMBER_FIELDS:
+        v = cfg.get(name)
+        if v is not None and not ((is_int(v) or isinstance(v, float)) and v > 0):
+            bad(name, "a positive number")
+    for name in BOOL_FIELDS:
+        if cfg.get(name) is not None and not isinstance(cfg[name], bool):
+            bad(name, "true or false")
+    eos = cfg.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(is_int(t) and t >= 0 for t in eos_list):
+        bad("eos_token_id", "a token id or a list of token ids")
 
 
 class Attention(nn.Module):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import stat
 
 import torch
 from safetensors import safe_open
@@ -20,45 +22,94 @@ PACKED_MODULES = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def read_config(path: str) -> dict:
+class HFConfig(dict):
+    """A config.json's fields, and `source`: the file they came from (for messages)."""
+    source: str = "config.json"
+
+
+def checked_file(root: str, name: str, what: str) -> str:
+    """root/name resolved (os.path.realpath), refused with a ValueError unless it is a
+    regular file inside root (absolute names, '..', symlinks out and devices are refused).
+    A Hugging Face cache snapshot (.../snapshots/REV) may also link into the repository's
+    blobs/ folder, as the hub's own downloads do."""
+    real_root = os.path.realpath(root)
+    allowed = [real_root]
+    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs"))
+    if os.path.isabs(name):
+        raise ValueError(f"{what} names {name!r}: an absolute path (refused: weights must lie "
+                         f"inside the model directory {root!r})")
+    real = os.path.realpath(os.path.join(real_root, name))
+    if not any(os.path.commonpath([real, a]) == a for a in allowed):
+        raise ValueError(f"{what} names {name!r}, which resolves to {real!r}, outside the "
+                         f"model directory {root!r} (refused)")
+    if not os.path.exists(real):
+        raise FileNotFoundError(f"{what} names {name!r}, which does not exist in {root!r}")
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise ValueError(f"{what} names {name!r}, which is not a regular file (refused)")
+    return real
+
+
+def _read_json(file: str, what: str):
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({what}): {e}") from None
+
+
+def read_config(path: str) -> HFConfig:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face model directory")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    cfg = _read_json(checked_file(path, "config.json", f"{path!r}"), "the model's config")
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path} must hold a JSON object")
-    return cfg
+    out = HFConfig(cfg)
+    out.source = cfg_path
+    return out
 
 
 def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
+    if os.path.lexists(index):
+        data = _read_json(checked_file(path, "model.safetensors.index.json", repr(path)),
+                          "the weight index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or \
+                not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(f"{index} must hold a non-empty \"weight_map\" object of "
+                             "weight name -> shard file name")
+        return [checked_file(path, s, index) for s in sorted(set(weight_map.values()))]
     for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(path, name)):
-            return [os.path.join(path, name)]
+        if os.path.lexists(os.path.join(path, name)):
+            return [checked_file(path, name, repr(path))]
     raise FileNotFoundError(f"{path!r} holds no weights (model.safetensors, "
                             "model.safetensors.index.json or pytorch_model.bin)")
 
 
 def _open_weights(file: str):
     """A .bin file's state dict, or a safetensors reader; a file that cannot be read is a
-    ValueError that names it (not a deserializer's traceback)."""
+    ValueError that names it (not a deserializer's traceback). A pickle that would import
+    code (anything but tensors and plain containers) is refused as such."""
     try:
         if file.endswith(".bin"):
             return torch.load(file, map_location="cpu", weights_only=True)
         return safe_open(file, framework="pt")
+    except pickle.UnpicklingError as e:
+        if "GLOBAL" in str(e) or "Unsupported global" in str(e):
+            raise ValueError(f"refused: this file would run code on load: {file!r} is a "
+                             "pickle that imports callables, not just tensors") from None
+        raise _unreadable(file, e) from None
     except Exception as e:
-        raise ValueError(f"cannot read weights file {file!r} ({type(e).__name__}): it is "
-                         "truncated, corrupt or not in the format its name says") from e
+        raise _unreadable(file, e) from None
+
+
+def _unreadable(file: str, e: Exception) -> ValueError:
+    return ValueError(f"cannot read weights file {file!r} ({type(e).__name__}): it is "
+                      "truncated, corrupt or not in the format its name says")
 
 
 def iter_weights(path: str, desc: str = "loading weights"):

@@ -136,7 +136,7 @@ class EngineLoop:
                 try:
                     advanced = await asyncio.get_running_loop().run_in_executor(
                         self._executor, self.engine.step)
-                except Exception as e:     # keep serving: fail the in-flight requests only
+                except Exception as e:     # not pinned on a request: fail those in flight
                     logger.exception("engine step failed; aborting all in-flight requests")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
@@ -183,7 +183,12 @@ class EngineLoop:
             new = req.output_token_ids[stream.num_sent:]
             stream.num_sent += len(new)
             reason = req.finish_reason if req.is_finished else None
-            stream.queue.put_nowait(StepUpdate(new, reason, copy.copy(req.metrics)))
+            if reason == "error":          # this request alone failed in the engine step
+                update = StepUpdate([], None, copy.copy(req.metrics),
+                                    f"the engine failed on this request: {req.error}")
+            else:
+                update = StepUpdate(new, reason, copy.copy(req.metrics))
+            stream.queue.put_nowait(update)
             if req.is_finished:
                 del self._streams[req.request_id]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -17,10 +18,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients pass as `model` (default: the model dir's basename)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* routes")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="answer 413 to a request body larger than this (default 8 MiB)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     return p
+
+
+def configure_logging(level: str):
+    """onespec's own log lines (engine failures, disconnects) in uvicorn's format."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("onespec")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def served_name(model_dir: str) -> str:
@@ -33,6 +46,10 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
         return 2
+    if args.max_request_body_bytes < 1:
+        print("onespec serve: error: --max-request-body-bytes must be >= 1, got "
+              f"{args.max_request_body_bytes}", file=sys.stderr)
+        return 2
     try:
         import uvicorn
 
@@ -44,10 +61,12 @@ def main(argv=None) -> int:
         return 2
     try:
         llm = build_llm(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:          # bad files or settings: one line, no trace
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
-    app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key)
+    configure_logging(args.log_level)
+    app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
+                     args.max_request_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     return 0

@@ -6,6 +6,8 @@ characters). Text is held back while it may still change or end up cut:
   - trailing U+FFFD: an incomplete UTF-8 sequence that the next token may complete;
   - the longest suffix that is a prefix of a stop string ("ab" when stop = ["abc"]).
 A stop string cuts the text just before it and ends the request (finish_reason "stop").
+Stop strings are looked for in the new text only (plus the last len(stop) - 1 characters
+before it), so a step costs the same however long the output has grown.
 """
 from __future__ import annotations
 
@@ -21,15 +23,20 @@ def find_stop(text: str, stop: list[str], start: int = 0) -> int | None:
 
 
 def stable_length(text: str, stop: list[str]) -> int:
-    """How much of text can be sent now without risk of taking it back."""
+    """How much of text can be sent now without risk of taking it back. Only the last
+    len(s) - 1 characters are examined for each stop string s."""
     end = len(text.rstrip(REPLACEMENT_CHAR))
-    hold = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, end), hold, -1):
-            if text.endswith(s[:n], 0, end):
-                hold = n
-                break
-    return end - hold
+    return end - max((held_prefix(text, end, s) for s in stop), default=0)
+
+
+def held_prefix(text: str, end: int, s: str) -> int:
+    """Length of the longest suffix of text[:end] that is a proper prefix of s."""
+    i = text.find(s[0], max(0, end - len(s) + 1), end)
+    while i >= 0:                    # the first candidate that fits is the longest
+        if s.startswith(text[i:end]):
+            return end - i
+        i = text.find(s[0], i + 1, end)
+    return 0
 
 
 class IncrementalDetokenizer:

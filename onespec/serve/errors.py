@@ -5,14 +5,19 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("onespec.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
-               500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+STATUS_CLIENT_CLOSED = 499                  # nginx's code: nobody reads it
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request was read."""
 
 UNION_FIELD_MESSAGES = {
     "prompt": "prompt must be a string or a list of token ids (ints)",
@@ -62,6 +67,14 @@ def install_error_handlers(app: FastAPI):
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _: ClientGone):
+        client = request.client
+        logger.info("client disconnected before its request was read (%s %s from %s)",
+                    request.method, request.url.path,
+                    f"{client.host}:{client.port}" if client else "?")
+        return Response(status_code=STATUS_CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):

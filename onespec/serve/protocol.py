@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from onespec.sampling_params import SamplingParams
 from onespec.serve.errors import APIError, validation_error
 
+MAX_STOP_STRINGS = 64          # stop strings per request
+MAX_STOP_STRING_CHARS = 1024   # characters per stop string
+
 # Fields whose union types give unreadable pydantic errors get a plain sentence instead.
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -60,13 +63,21 @@ class _GenerationRequest(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stop):
             raise APIError("stop strings must be non-empty", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+                           param="stop")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise APIError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters "
+                           f"long, got one of {longest}", param="stop")
         return stop
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The requested output length and the field that gave it."""
+        return self.max_tokens, "max_tokens"
 
     def check_unsupported(self):
         if self.n is not None and self.n < 1:
@@ -76,7 +87,7 @@ class _GenerationRequest(_Strict):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Builds SamplingParams; a ValueError (which names the field) becomes a 400."""
-        max_tokens = self.requested_max_tokens()
+        max_tokens, max_tokens_field = self.requested_max_tokens()
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                       ignore_eos=self.ignore_eos,
                       stop_token_ids=self.stop_token_ids or [], seed=self.seed)
@@ -87,7 +98,12 @@ class _GenerationRequest(_Strict):
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
-            raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+            message = str(e)
+            param = message.split(" ", 1)[0]
+            if param == "max_tokens":          # it may have come as max_completion_tokens
+                message = max_tokens_field + message[len(param):]
+                param = max_tokens_field
+            raise APIError(message, param=param) from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -115,8 +131,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.messages:
             raise APIError("messages must be a non-empty list", param="messages")
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:

@@ -9,6 +9,7 @@ watcher; either way the engine-loop generator's `finally` aborts and frees KV bl
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from typing import AsyncIterator, Callable
 
@@ -17,13 +18,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from onespec.serve.async_engine import EngineError, EngineLoop
 from onespec.serve.detokenize import IncrementalDetokenizer
-from onespec.serve.errors import APIError
+from onespec.serve.errors import STATUS_CLIENT_CLOSED, APIError
 from onespec.serve.metrics import ServerMetrics
-from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, sse
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
-STATUS_CLIENT_CLOSED = 499                  # nginx's code: nobody reads it
+# A text longer than max_model_len * (longest token in characters) * this has more tokens
+# than max_model_len (normalizers such as NFC can merge up to three characters into one).
+CHARS_PER_TOKEN_SLACK = 4
+# A text longer than max_model_len * this many characters is first tokenized in part:
+# if that part alone is over the limit (by a margin for the word cut at its end), it is
+# rejected without tokenizing the rest.
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_MARGIN_TOKENS = 64
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -57,6 +65,26 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.config.vocab_size
         self.metrics = metrics
+        self.max_prompt_chars = None if self.tokenizer is None else \
+            self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
+        # parsing bodies, chat templates and tokenizing run here, off the event loop; one
+        # thread, so two encodes never overlap (transformers may reset a fast tokenizer's
+        # truncation settings before encoding, which another encode must not see)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onespec-tokenize")
+
+    async def prepare(self, body: bytes, chat: bool) -> tuple[Job, bool]:
+        """Parses a request body and builds its job (with the prompt's token ids) on the
+        tokenizer thread, so that a big prompt never holds up the event loop. Returns the
+        job and whether the client asked for a stream."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._prepare, body, chat)
+
+    def _prepare(self, body: bytes, chat: bool) -> tuple[Job, bool]:
+        if chat:
+            req = parse_body(ChatCompletionRequest, body)
+            return self.chat_job(req), req.stream
+        req = parse_body(CompletionRequest, body)
+        return self.completion_job(req), req.stream
 
     # ---- requests -> jobs ----------------------------------------------------------------
     def check_model(self, name: str):
@@ -68,7 +96,7 @@ class OpenAIServing:
     def completion_job(self, req: CompletionRequest) -> Job:
         self.check_model(req.model)
         if isinstance(req.prompt, str):
-            ids = self._tokenizer("text prompts", "prompt").encode(req.prompt)
+            ids = self._encode(req.prompt, "prompt", self._tokenizer("text prompts", "prompt"))
         else:
             ids = list(req.prompt)
             if not all(0 <= t < self.vocab_size for t in ids):
@@ -83,13 +111,15 @@ class OpenAIServing:
         if not getattr(tok, "chat_template", None):
             raise APIError(f"the model '{self.model_name}' has no chat template; use "
                            "/v1/completions", param="messages")
+        self._check_chars(sum(len(m.as_template_dict()["content"]) for m in req.messages),
+                          "messages")
         try:
             text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
                                            add_generation_prompt=True, tokenize=False)
         except Exception as e:      # jinja2 errors: the template rejected the messages
             raise APIError(f"the chat template failed on these messages: {e}",
                            param="messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = self._encode(text, "messages", tok, add_special_tokens=False)
         self._check_prompt_length(ids, "messages")
         return self._job(CHAT, req, ids, self.max_model_len - len(ids))
 
@@ -99,14 +129,32 @@ class OpenAIServing:
                            "none; send prompts as lists of token ids", param=param)
         return self.tokenizer
 
+    def _encode(self, text: str, param: str, tok, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; a text that is certainly too long is rejected without
+        tokenizing all of it (_check_chars, then a tokenized prefix)."""
+        self._check_chars(len(text), param)
+        probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
+        if len(text) > probe:
+            num = len(tok.encode(text[:probe], add_special_tokens=False))
+            if num >= self.max_model_len + PROBE_MARGIN_TOKENS:
+                raise self._too_long(f"more than {num - PROBE_MARGIN_TOKENS} tokens", param)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_chars(self, num_chars: int, param: str):
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise self._too_long(f"{num_chars} characters, too many for "
+                                 f"{self.max_model_len} tokens of this model", param)
+
+    def _too_long(self, what: str, param: str) -> APIError:
+        return APIError(f"the prompt has {what}; this model's maximum context length is "
+                        f"{self.max_model_len} tokens, so prompts must be at most "
+                        f"{self.max_model_len - 1}", param=param, code="context_length_exceeded")
+
     def _check_prompt_length(self, ids: list[int], param: str):
         if not ids:
             raise APIError("the prompt is empty", param=param)
         if len(ids) >= self.max_model_len:
-            raise APIError(f"the prompt has {len(ids)} tokens; this model's maximum context "
-                           f"length is {self.max_model_len} tokens, so prompts must be at "
-                           f"most {self.max_model_len - 1}", param=param,
-                           code="context_length_exceeded")
+            raise self._too_long(f"{len(ids)} tokens", param)
 
     def _job(self, kind: str, req, ids: list[int], default_max_tokens: int) -> Job:
         stop = req.stop_strings()
@@ -128,7 +176,8 @@ class OpenAIServing:
             queue = await self.loop.add(job.prompt_token_ids, job.sampling_params,
                                         job.request_id)
         except ValueError as e:
-            raise APIError(str(e)) from None
+            field = str(e).split(" ", 1)[0]
+            raise APIError(str(e), param=field if field == "stop_token_ids" else None) from None
         except EngineError as e:
             raise APIError(str(e), status=503) from None
         updates = self._advance(job, self.loop.updates(job.request_id, queue))
@@ -191,3 +240,9 @@ class OpenAIServing:
             if job.include_usage:
                 yield job.usage_chunk()
         yield SSE_DONE
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters any one token stands for (its vocabulary string: byte-level
+    tokens spell one character per byte, so this bounds decoded characters too)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)

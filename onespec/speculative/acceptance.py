@@ -7,12 +7,13 @@ target's own correction or bonus token; the entries after them are don't-cares.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from onespec.layers.sampler import fill_random_rows, sample_from_probs
+from onespec.layers.sampler import (ACCEPT_DRAW, SeededRows, counter_uniform, fill_random_rows,
+                                    sample_from_probs)
 
 FORCED_POOL_SIZE = 4096
 FORCED_POOL_SEED = 0
@@ -46,7 +47,7 @@ def _uniform(t: Tensor, g: torch.Generator | None) -> Tensor:
 def rejection_accept(draft_tokens: Tensor,   # [B, K] int64
                      draft_probs: Tensor,    # [B, K, V] q, in target-vocab space
                      target_probs: Tensor,   # [B, K+1, V] p, same filters as q
-                     generators: Sequence[torch.Generator | None],  # len B
+                     seeded: SeededRows | None = None,  # positions: each row's first draft
                      default_generator: torch.Generator | None = None,
                      ) -> tuple[Tensor, Tensor]:  # ([B, K+1] int64, [B] int64)
     """Speculative rejection sampling (lossless: emitted tokens are distributed as p).
@@ -55,12 +56,17 @@ def rejection_accept(draft_tokens: Tensor,   # [B, K] int64
     division). At the first rejection j emit r ~ normalize(max(p_j - q_j, 0)); if all K
     pass, emit r ~ p_K (q_K := 0 gives that from the same formula). An all-zero residual
     (p_j == q_j up to rounding, or a draft outside q's support) falls back to p_j.
-    Per request the generator draws the K uniforms first, then the residual sample.
+    Unseeded rows draw from default_generator (the K uniforms, then the residual sample).
+    A seeded row whose first draft is at position P draws u_j as the ACCEPT_DRAW number of
+    position P + j and the residual as the TARGET_DRAW of position P + (accepted drafts).
     """
     batch, k = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)            # [B]
     uniforms = torch.empty((batch, k), dtype=torch.float32, device=draft_tokens.device)
-    fill_random_rows(uniforms, generators, default_generator, _uniform)
+    offsets = torch.arange(k, device=draft_tokens.device)             # [K]
+    fill_random_rows(uniforms, seeded, default_generator, _uniform,
+                     lambda s: counter_uniform(s.seeds[:, None], s.positions[:, None] + offsets,
+                                               ACCEPT_DRAW, 1).squeeze(-1))
 
     index = draft_tokens.unsqueeze(-1)                                 # [B, K, 1]
     p_draft = target_probs[:, :k].gather(-1, index).squeeze(-1).float()  # [B, K]
@@ -75,7 +81,9 @@ def rejection_accept(draft_tokens: Tensor,   # [B, K] int64
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
     else:
         residual = p_stop
-    last_token = sample_from_probs(residual, generators, default_generator)  # [B]
+    stop_seeded = None if seeded is None else \
+        replace(seeded, positions=seeded.positions + num_drafts_accepted[seeded.index])
+    last_token = sample_from_probs(residual, default_generator, stop_seeded)  # [B]
 
     accepted_tokens = torch.cat([draft_tokens, last_token.unsqueeze(-1)], dim=1)  # [B, K+1]
     accepted_tokens.scatter_(1, num_drafts_accepted.unsqueeze(-1), last_token.unsqueeze(-1))

@@ -12,7 +12,8 @@ import torch
 
 from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
                                       build_attention_metadata)
-from onespec.layers.sampler import SamplingTensors, probs_from_logits, sample, sample_from_probs
+from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, probs_from_logits, sample,
+                                    sample_from_probs)
 from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
 from onespec.speculative.drafter import Drafter
 
@@ -79,11 +80,11 @@ class SpecWorker:
         if self.use_rejection_sampling and bg and k:
             logits = self.target.compute_logits(rows)                                # [R, V]
             probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
-            tokens = sample_from_probs(probs[:bc], st.generators[:bc], self.generator)
+            tokens = sample_from_probs(probs[:bc], self.generator, st.seeded_head(bc))
             target_probs = probs[bc:].view(bg, k + 1, -1)
             accepted, num_accepted = rejection_accept(
                 inp.draft_tokens, inp.draft_probs, target_probs,
-                inp.gen_sampling.generators, self.generator)
+                inp.gen_sampling.seeded, self.generator)
         else:
             sampled = self.target.greedy_tokens(rows) if st.all_greedy else \
                 sample(self.target.compute_logits(rows), st, self.generator)          # [R]
@@ -137,21 +138,23 @@ class SpecWorker:
                                                 inp.max_kv_draft, None, self.attn_backend) \
                     if meta is None else advance_decode_metadata(meta, pos)
                 h = self.drafter.forward(drafts[-1], pos, h, meta)
-            token, q = self._pick(h, inp.draft_sampling)
+            token, q = self._pick(h, inp.draft_sampling, pos)
             drafts.append(token)
             probs.append(q)
         draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
         return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
 
-    def _pick(self, h, st: SamplingTensors):
-        """Draft token per request from the draft hidden rows h: argmax, or a sample from q
-        with rejection sampling. Returns [Bd] target ids and q [Bd, V] (None without
-        rejection sampling)."""
+    def _pick(self, h, st: SamplingTensors, pos):
+        """Draft token per request from the draft hidden rows h at positions pos [Bd]: argmax,
+        or a sample from q with rejection sampling. Returns [Bd] target ids and q [Bd, V]
+        (None without rejection sampling)."""
         if not self.use_rejection_sampling:
             return self.drafter.greedy_target_ids(h), None
         draft_logits = self.drafter.compute_logits(h)                        # [B, Vd]
         q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]
-        token = self.drafter.to_target_ids(sample_from_probs(q, st.generators, self.generator))
+        seeded = st.seeded_at(pos + 1)                     # the draft is token pos + 1
+        token = self.drafter.to_target_ids(sample_from_probs(q, self.generator, seeded,
+                                                             DRAFT_DRAW))
         q_target = q.new_zeros(q.shape[0], self.target.config.vocab_size)
         q_target[:, self._vocab_ids] = q
         return token, q_target                                               # [B], [B, V]

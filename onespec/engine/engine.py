@@ -18,6 +18,7 @@ from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.llama import DecoderConfig, LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.registry import target_class
 from onespec.sampling_params import SamplingParams
 from onespec.spec.drafters import Eagle3Drafter
 from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
@@ -42,17 +43,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_target(path: str, device, dtype, dummy: bool = False) -> LlamaForCausalLM:
-    cfg = DecoderConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    config_cls, model_cls = target_class(raw)
+    cfg = config_cls.from_hf(raw)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
         return model.to(dtype=dtype).eval()
-    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
-        else (lambda n: n)
+    rename = getattr(model, "checkpoint_rename", None) or \
+        ((lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings
+         else (lambda n: n))
     load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
     return model.to(device=device, dtype=dtype).eval()
 
@@ -166,10 +170,14 @@ class Engine:
 
     def _attention_backend(self) -> str:
         backend = self.config.attention_backend
+        portable_only = not getattr(self.model, "supports_triton", True)
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" and not portable_only else "torch"
         if backend == "triton" and self.device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
+        if backend == "triton" and portable_only:
+            raise ValueError(f"attention_backend='triton' is not available for "
+                             f"{self.model.config.architecture}; use 'torch'")
         return backend
 
     def _default_draft_len(self, batch_size: int) -> int:

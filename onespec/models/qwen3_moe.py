@@ -36,7 +36,8 @@ class Qwen3MoeConfig(DecoderConfig):
         try:
             return cls(**{f.name: getattr(base, f.name) for f in fields(DecoderConfig)},
                        moe_intermediate_size=cfg["moe_intermediate_size"],
-                       num_experts=cfg["num_experts"],
+                       # transformers 5.x writes num_local_experts, 4.x num_experts
+                       num_experts=cfg.get("num_local_experts") or cfg["num_experts"],
                        num_experts_per_tok=cfg["num_experts_per_tok"],
                        norm_topk_prob=cfg.get("norm_topk_prob", False),
                        decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,

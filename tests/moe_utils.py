@@ -69,3 +69,66 @@ def make_qwen3_moe_model(path, seed: int = 0, **overrides):
     _randomize(model, seed)
     model.save_pretrained(path)
     return model
+
+
+class MTPReference(torch.nn.Module):
+    """One MTP layer as transformers modules (a DeepseekV3DecoderLayer block), kept by the
+    test for a cache-free reference; its weights go into the checkpoint."""
+
+    def __init__(self, cfg, layer_idx: int, own_embed_head: bool):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer, DeepseekV3RMSNorm)
+        super().__init__()
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.block = DeepseekV3DecoderLayer(cfg, layer_idx)
+        self.enorm, self.hnorm = DeepseekV3RMSNorm(h), DeepseekV3RMSNorm(h)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.shared_head_norm = DeepseekV3RMSNorm(h)
+        self.head = torch.nn.Linear(h, v, bias=False) if own_embed_head else None
+        self.embed = torch.nn.Embedding(v, h) if own_embed_head else None
+
+    def checkpoint(self, prefix: str) -> dict:
+        out = {}
+        for k, t in self.block.state_dict().items():
+            if k.endswith("experts.gate_up_proj"):
+                gate, up = t.chunk(2, dim=1)
+                for e in range(t.shape[0]):
+                    out[f"{prefix}{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate[e]
+                    out[f"{prefix}{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up[e]
+            elif k.endswith("experts.down_proj"):
+                for e in range(t.shape[0]):
+                    out[f"{prefix}{k[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+            else:
+                out[prefix + k] = t
+        names = {"enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight,
+                 "eh_proj.weight": self.eh_proj.weight,
+                 "shared_head.norm.weight": self.shared_head_norm.weight}
+        if self.head is not None:
+            names["shared_head.head.weight"] = self.head.weight
+            names["embed_tokens.weight"] = self.embed.weight
+        out.update({prefix + k: t for k, t in names.items()})
+        return {k: t.detach().contiguous().clone() for k, t in out.items()}
+
+
+def add_mtp_layers(path, hf, num_layers: int, seed: int = 5, own_embed_head: bool = True):
+    """Appends random MTP layers under model.layers.{L + i}.* to the checkpoint at path
+    (as DeepSeek-V3 ships them); returns their MTPReference modules."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    refs = []
+    for i in range(num_layers):
+        torch.manual_seed(seed + i)
+        ref = MTPReference(hf.config, hf.config.num_hidden_layers + i, own_embed_head).eval()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(1.0, 0.1)
+            ref.block.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+            if ref.embed is not None:
+                ref.embed.weight.normal_(0, 1.0)
+        tensors.update(ref.checkpoint(f"model.layers.{hf.config.num_hidden_layers + i}."))
+        refs.append(ref)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return refs

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from onespec.config import Eagle3Config, EngineConfig
+from onespec.config import Eagle3Config, EngineConfig, MTPConfig
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
 from onespec.engine.model_runner import ModelRunner
@@ -18,9 +18,11 @@ from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.llama import DecoderConfig, LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.mtp import load_mtp_head
 from onespec.models.registry import target_class
 from onespec.sampling_params import SamplingParams
 from onespec.spec.drafters import Eagle3Drafter
+from onespec.spec.mtp import MTPDrafter
 from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
 from onespec.spec.worker import SpecWorker
 
@@ -130,7 +132,11 @@ class Engine:
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
 
     # ---- set-up ------------------------------------------------------------------------
-    def _load_drafter(self, sc: Eagle3Config) -> Eagle3Drafter:
+    def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
+        if isinstance(sc, MTPConfig):
+            head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
+                                 self.dtype, dummy=self.config.load_format == "dummy")
+            return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = self.model.config.num_hidden_layers
         if sc.layers_to_capture is not None:

@@ -3,7 +3,8 @@
     capture_layers                      target layers whose residual stream the drafter reads
     attention_layers                    its KV layers (extra layers of the same block pool)
     initial_hidden(captured, final)     step-0 hidden input           -> [T, H]
-    forward(ids, positions, h, meta)    one draft layer pass, writes draft KV -> pre-norm [T, H]
+    forward(ids, positions, h, meta, step)  one draft pass (step 0..K-1), writes draft KV
+                                        -> [T, H] hidden carried to the next step
     compute_logits(h)                   draft-vocab logits            -> [N, Vd]
     greedy_target_ids(h)                their argmax, as target ids   -> [N]
     to_target_ids(ids)                  draft ids -> target ids
@@ -38,7 +39,7 @@ class Eagle3Drafter:
         return fused_linear(self.head.fc, captured.to(self.dtype),
                             fast=self.head.fast_kernels)                    # [T, H]
 
-    def forward(self, input_ids, positions, hidden, meta):
+    def forward(self, input_ids, positions, hidden, meta, step: int = 0):
         # the head gathers the embedding rows itself (one kernel with its input norms)
         return self.head(None, hidden, positions, meta, ids=input_ids,
                          table=self.embed.weight)                           # [T, H]

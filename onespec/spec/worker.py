@@ -134,7 +134,7 @@ class SpecWorker:
                 meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
                                                 inp.max_kv_draft, None, self.attn_backend) \
                     if meta is None else advance_decode_metadata(meta, pos)
-                h = self.drafter.forward(drafts[-1], pos, h, meta)
+                h = self.drafter.forward(drafts[-1], pos, h, meta, step=step)
             token, q = self._pick(h, inp.draft_sampling)
             drafts.append(token)
             probs.append(q)

@@ -1,0 +1,137 @@
+"""MTP drafting on a DeepSeek-V3 target: greedy output equals plain output in both modes
+(batched, chunked prefill, preemption), drafts equal a cache-free reference built from
+transformers modules, configuration errors, the CLI flag."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import assert_pool_full
+from moe_utils import add_mtp_layers, make_deepseek_model
+from onespec import LLM, MTPConfig, SamplingParams
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
+           list(range(20, 45))]
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+ENGINE_KW = {"batch": {}, "chunked": {"max_num_tokens": 9},
+             "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A 3-layer DeepSeek-V3 target with 2 MTP layers (own embedding and head), its
+    transformers model, the MTP layers' reference modules, and plain greedy outputs."""
+    path = tmp_path_factory.mktemp("ds-mtp")
+    hf = make_deepseek_model(path, mtp_layers=2)
+    refs = add_mtp_layers(path, hf, 2)
+    plain = LLM(str(path), dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
+    return str(path), hf, refs, [o.outputs[0].token_ids for o in plain]
+
+
+def mtp_llm(path, k, vanilla=False, **kw):
+    return LLM(path, dtype="float32", device="cpu",
+               speculative_config=MTPConfig(num_nextn_predict_layers=k,
+                                            use_mtp_vanilla=vanilla), **kw)
+
+
+@pytest.mark.parametrize("engine_kw", list(ENGINE_KW))
+@pytest.mark.parametrize("mode,k", [("eagle", 1), ("eagle", 3), ("vanilla", 2)])
+def test_greedy_lossless(target, mode, k, engine_kw):
+    path, _, _, plain = target
+    llm = mtp_llm(path, k, vanilla=mode == "vanilla", **ENGINE_KW[engine_kw])
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    if engine_kw == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    assert len(llm.engine.drafter.attention_layers) == (2 if mode == "vanilla" else 1)
+    assert_pool_full(llm)
+
+
+@torch.no_grad()
+def reference_drafts(hf, mtp, tokens: list[int], k: int):
+    """MTP-Eagle drafts for a request whose committed tokens are `tokens`, recomputed
+    without any cache from transformers modules (SPEC.md §6): rows at positions 0..n-2
+    carry (token p+1, target's final hidden p); step j adds a row (draft j, output of the
+    row before). Also returns each step's top-2 logit margin (near-ties are float noise)."""
+    embed = mtp.embed if mtp.embed is not None else hf.model.embed_tokens
+    head = mtp.head if mtp.head is not None else hf.lm_head
+    final = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]       # [n-1, H]
+
+    def layer_input(ids, hidden):
+        return mtp.eh_proj(torch.cat([mtp.enorm(embed(ids)), mtp.hnorm(hidden)], -1))
+
+    xs = layer_input(torch.tensor(tokens[1:]), final)
+    drafts, margins = [], []
+    for _ in range(k):
+        n = xs.shape[0]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = mtp.block(xs[None], attention_mask=mask, position_ids=pos,
+                        position_embeddings=hf.model.rotary_emb(xs[None], pos))[0]
+        last = mtp.shared_head_norm(out[-1:])
+        top2 = head(last)[0].topk(2)
+        drafts.append(int(top2.indices[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
+        xs = torch.cat([xs, layer_input(torch.tensor(drafts[-1:]), last)])
+    return drafts, margins
+
+
+def test_drafts_match_cache_free_reference(target):
+    path, hf, refs, _ = target
+    k = 3
+    llm = mtp_llm(path, k, max_num_tokens=10)
+    eng = llm.engine
+    reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:4]]
+    checked = 0
+    while eng.has_unfinished():
+        for req in eng.step():
+            if req.is_finished or not req.draft_tokens:
+                continue
+            want, margins = reference_drafts(hf, refs[0], req.token_ids, k)
+            for got, ref, margin in zip(req.draft_tokens, want, margins):
+                if margin < 1e-3:          # a float near-tie: later drafts follow another path
+                    break
+                assert got == ref, (req.request_id, len(req.token_ids), req.draft_tokens, want)
+                checked += 1
+    assert checked >= 4 * 5 * k
+    assert all(r.is_finished for r in reqs)
+    assert_pool_full(llm)
+
+
+def test_mtp_layers_come_from_the_checkpoint(target):
+    path, _, refs, _ = target
+    llm = mtp_llm(path, 2, vanilla=True)
+    layers = llm.engine.drafter.head.layers
+    for layer, ref in zip(layers, refs):
+        torch.testing.assert_close(layer.eh_proj.weight, ref.eh_proj.weight)
+        torch.testing.assert_close(layer.embed_tokens.weight, ref.embed.weight)
+        torch.testing.assert_close(layer.block.mlp.experts.gate_up_proj[3, :32],
+                                   ref.block.mlp.experts.gate_up_proj[3, :32])
+    # the MTP layers' latents are extra layers of the one pool
+    assert all(a.latent_cache is not None for a in llm.engine.drafter.attention_layers)
+
+
+def test_configuration_errors(target, tiny_models):
+    path, _, _, _ = target
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=2 MTP layers; 3 were"):
+        mtp_llm(path, 3, vanilla=True)
+    with pytest.raises(ValueError, match="needs a target with MTP layers"):
+        mtp_llm(tiny_models["llama"][0], 1)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers must be an integer"):
+        MTPConfig(num_nextn_predict_layers=0)
+
+
+def test_cli_generate_with_mtp(target):
+    path, _, _, plain = target
+    out = subprocess.run([sys.executable, "-m", "onespec", "generate", "--model", path,
+                          "--mtp", "2", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
+                          "--max-tokens", "20", "--ignore-eos", "--device", "cpu",
+                          "--dtype", "float32"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(t) for t in plain[1]]
+    assert "acceptance length" in out.stderr

@@ -3,6 +3,7 @@
 transformers modules, configuration errors, the CLI flag."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -130,8 +131,36 @@ def test_cli_generate_with_mtp(target):
     path, _, _, plain = target
     out = subprocess.run([sys.executable, "-m", "onespec", "generate", "--model", path,
                           "--mtp", "2", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
-                          "--max-tokens", "20", "--ignore-eos", "--device", "cpu",
-                          "--dtype", "float32"], capture_output=True, text=True, timeout=120)
+                          "--max-tokens", "8", "--ignore-eos", "--device", "cpu",
+                          "--dtype", "float32"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(t) for t in plain[1]]
+    assert out.stdout.split() == [str(t) for t in plain[1][:8]]
     assert "acceptance length" in out.stderr
+
+
+@pytest.mark.parametrize("cut", ["max_tokens", "stop"])
+def test_accepted_drafts_count_only_emitted_tokens(target, cut):
+    """Forced acceptance emits 4 tokens a step; max_tokens=10 or a stop token cuts a run
+    inside a step: target_steps + num_accepted_draft_tokens == generated tokens still."""
+    path, _, _, _ = target
+    llm = LLM(path, dtype="float32", device="cpu",
+              speculative_config=MTPConfig(num_nextn_predict_layers=3,
+                                           force_acceptance_length=4.0))
+    free_run = [o.outputs[0].token_ids for o in
+                llm.generate(PROMPTS, SamplingParams(max_tokens=13, ignore_eos=True))]
+    assert all(len(run) == 13 for run in free_run)          # 1 + 4 + 4 + 4: no cuts
+    if cut == "max_tokens":
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+    else:       # stop at a token first seen inside a step, not at its end
+        params = [SamplingParams(max_tokens=13, ignore_eos=True, stop_token_ids=[
+            t for i, t in enumerate(run) if i % 4 and t not in run[:i]][:1])
+            for run in free_run]
+    outs = llm.generate(PROMPTS, params)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    for o, n in zip(outs, lengths):
+        m = o.metrics
+        assert m.num_generated_tokens == n
+        assert m.target_steps + m.num_accepted_draft_tokens == n
+    assert any(n % 4 != 1 for n in lengths)                  # some run was cut in a step
+    assert_pool_full(llm)

@@ -164,3 +164,44 @@ def test_accepted_drafts_count_only_emitted_tokens(target, cut):
         assert m.target_steps + m.num_accepted_draft_tokens == n
     assert any(n % 4 != 1 for n in lengths)                  # some run was cut in a step
     assert_pool_full(llm)
+
+
+# ---- relaxed acceptance (SPEC.md §4) ------------------------------------------------------
+def _logits(rows):
+    return torch.tensor(rows).log().unsqueeze(0)                    # [1, K+1, V]
+
+
+RELAXED_PROBS = [[.5, .3, .1, .05, .05], [.1, .6, .2, .05, .05], [.4, .1, .35, .1, .05],
+                 [.2, .2, .2, .2, .2]]
+
+
+@pytest.mark.parametrize("drafts,topk,delta,accepted,num_relaxed", [
+    ([1, 1, 3], 2, 0.3, [1, 1, 0], 1),     # 0.3 >= 0.5 - 0.3; top-1; 3 is not in the top 2
+    ([1, 1, 2], 3, 0.35, [1, 1, 2, 0], 2),  # 0.35 >= 0.4 - 0.35 too; bonus = top-1 (0)
+    ([1, 1, 3], 2, 0.1, [0], 0),           # 0.3 < 0.5 - 0.1: rejected at once
+    ([1, 1, 3], 1, 0.9, [0], 0),           # topk 1 is strict whatever delta
+    ([1, 1, 3], 2, 0.0, [0], 0),           # delta 0 is strict
+])
+def test_relaxed_accept_worked_examples(drafts, topk, delta, accepted, num_relaxed):
+    from onespec.spec.acceptance import relaxed_accept, strict_accept
+    drafts, logits = torch.tensor([drafts]), _logits(RELAXED_PROBS)
+    acc, n, relaxed = relaxed_accept(drafts, logits, torch.tensor([delta]), topk)
+    assert n.tolist() == [len(accepted)] and acc[0, :n[0]].tolist() == accepted
+    assert relaxed.tolist() == [num_relaxed]
+    if topk == 1 or delta == 0.0:
+        s_acc, s_n = strict_accept(drafts, logits.argmax(-1))
+        assert s_n.tolist() == n.tolist() and s_acc[0, :s_n[0]].tolist() == accepted
+
+
+def test_relaxed_accept_is_strict_outside_thinking():
+    """delta 0 (outside the thinking phase) equals strict acceptance on random cases."""
+    from onespec.spec.acceptance import relaxed_accept, strict_accept
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, 16, generator=g)
+    drafts = torch.where(torch.rand(64, 3, generator=g) < 0.6, logits[:, :3].argmax(-1),
+                         torch.randint(0, 16, (64, 3), generator=g))
+    acc, n, relaxed = relaxed_accept(drafts, logits, torch.zeros(64), topk=4)
+    s_acc, s_n = strict_accept(drafts, logits.argmax(-1))
+    assert torch.equal(n, s_n) and not relaxed.any()
+    for i in range(64):
+        assert torch.equal(acc[i, :n[i]], s_acc[i, :n[i]])

@@ -134,6 +134,9 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
         if isinstance(sc, MTPConfig):
+            if sc.use_relaxed_acceptance_for_thinking:
+                raise ValueError("use_relaxed_acceptance_for_thinking is not applied by this "
+                                 "engine yet (spec.acceptance.relaxed_accept is the rule)")
             head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
                                  self.dtype, dummy=self.config.load_format == "dummy")
             return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)

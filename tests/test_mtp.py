@@ -125,6 +125,9 @@ def test_configuration_errors(target, tiny_models):
         mtp_llm(tiny_models["llama"][0], 1)
     with pytest.raises(ValueError, match="num_nextn_predict_layers must be an integer"):
         MTPConfig(num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="use_relaxed_acceptance_for_thinking is not applied"):
+        LLM(path, dtype="float32", device="cpu", speculative_config=MTPConfig(
+            1, use_relaxed_acceptance_for_thinking=True, begin_thinking_phase_token=5))
 
 
 def test_cli_generate_with_mtp(target):

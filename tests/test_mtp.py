@@ -125,9 +125,6 @@ def test_configuration_errors(target, tiny_models):
         mtp_llm(tiny_models["llama"][0], 1)
     with pytest.raises(ValueError, match="num_nextn_predict_layers must be an integer"):
         MTPConfig(num_nextn_predict_layers=0)
-    with pytest.raises(ValueError, match="use_relaxed_acceptance_for_thinking is not applied"):
-        LLM(path, dtype="float32", device="cpu", speculative_config=MTPConfig(
-            1, use_relaxed_acceptance_for_thinking=True, begin_thinking_phase_token=5))
 
 
 def test_cli_generate_with_mtp(target):
@@ -189,6 +186,7 @@ def test_relaxed_accept_worked_examples(drafts, topk, delta, accepted, num_relax
     from onespec.spec.acceptance import relaxed_accept, strict_accept
     drafts, logits = torch.tensor([drafts]), _logits(RELAXED_PROBS)
     acc, n, relaxed = relaxed_accept(drafts, logits, torch.tensor([delta]), topk)
+    relaxed = relaxed.sum(-1)
     assert n.tolist() == [len(accepted)] and acc[0, :n[0]].tolist() == accepted
     assert relaxed.tolist() == [num_relaxed]
     if topk == 1 or delta == 0.0:
@@ -208,3 +206,78 @@ def test_relaxed_accept_is_strict_outside_thinking():
     assert torch.equal(n, s_n) and not relaxed.any()
     for i in range(64):
         assert torch.equal(acc[i, :n[i]], s_acc[i, :n[i]])
+
+
+BEGIN, END = 7, 8
+THINKING_PROMPTS = [[5, 6, 7], [9, 7, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 20 + [7],
+                    [40, 41], [7] + list(range(20, 45))]
+
+
+def relaxed_llm(path, topk, delta, end=None, **kw):
+    return LLM(path, dtype="float32", device="cpu", speculative_config=MTPConfig(
+        num_nextn_predict_layers=3, use_relaxed_acceptance_for_thinking=True,
+        relaxed_topk=topk, relaxed_delta=delta, begin_thinking_phase_token=BEGIN,
+        end_thinking_phase_token=end), **kw)
+
+
+@pytest.fixture(scope="module")
+def strict_outputs(target):
+    path = target[0]
+    return [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu")
+            .generate(THINKING_PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("topk,delta,end", [(1, 1.0, None),     # topk 1: strict
+                                            (32, 0.0, None),    # delta 0: strict
+                                            (32, 1.0, BEGIN + 1000)])  # never thinking
+def test_relaxed_engine_equals_strict(target, strict_outputs, topk, delta, end):
+    path = target[0]
+    if end is not None:      # the phase closes right after it opens, in every prompt
+        prompts = [p + [END] for p in THINKING_PROMPTS]
+        llm = relaxed_llm(path, topk, delta, end=END)
+        want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu")
+                .generate(prompts, GREEDY)]
+    else:
+        prompts, llm, want = THINKING_PROMPTS, relaxed_llm(path, topk, delta), strict_outputs
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.stats()["num_relaxed_accepted_tokens"] == 0
+    assert_pool_full(llm)
+
+
+def test_relaxed_acceptance_inside_thinking(target, strict_outputs):
+    """Inside the phase drafts among the top 32 are accepted: more tokens per step, some
+    emitted tokens differ from strict greedy; chunked prefill (the begin token in an early
+    chunk) and preemption track the phase the same way."""
+    path = target[0]
+    runs = {}
+    for name, kw in (("batch", {}), ("chunked", {"max_num_tokens": 5}),
+                     ("preempt", ENGINE_KW["preempt"])):
+        llm = relaxed_llm(path, 32, 1.0, **kw)
+        outs = llm.generate(THINKING_PROMPTS, GREEDY)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        stats = llm.stats()
+        assert stats["num_relaxed_accepted_tokens"] > 0
+        assert sum(o.metrics.num_relaxed_accepted_tokens for o in outs) == \
+            stats["num_relaxed_accepted_tokens"]
+        for o in outs:
+            m = o.metrics
+            assert m.num_relaxed_accepted_tokens <= m.num_accepted_draft_tokens
+            assert m.target_steps + m.num_accepted_draft_tokens == m.num_generated_tokens
+        assert_pool_full(llm)
+    assert runs["batch"] == runs["chunked"] == runs["preempt"]
+    assert runs["batch"] != strict_outputs
+
+
+def test_thinking_phase_walk():
+    from onespec.engine.request import Request
+    from onespec.spec.thinking import ThinkingPhase
+    phase = ThinkingPhase(BEGIN, END, 0.4)
+    req = Request("r", [1, 2], GREEDY)
+    phase.walk(req, [1, BEGIN, 3])
+    assert req.thinking_delta == 0.4
+    phase.walk(req, [END, 4, BEGIN, END])            # the last one wins
+    assert req.thinking_delta == 0.0
+    phase.walk(req, [BEGIN])
+    phase.walk(req, [1, 2], restart=True)            # recomputed from the start
+    assert req.thinking_delta == 0.0

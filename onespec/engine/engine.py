@@ -23,6 +23,7 @@ from onespec.models.registry import target_class
 from onespec.sampling_params import SamplingParams
 from onespec.spec.drafters import Eagle3Drafter
 from onespec.spec.mtp import MTPDrafter
+from onespec.spec.thinking import ThinkingPhase
 from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
 from onespec.spec.worker import SpecWorker
 
@@ -105,11 +106,15 @@ class Engine:
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sc = speculative_config
+        relaxed = isinstance(sc, MTPConfig) and sc.use_relaxed_acceptance_for_thinking
+        self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,
+                                      sc.relaxed_delta) if relaxed else None
         worker = SpecWorker(self.model, drafter,
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
                             generator=self.generator,
-                            attn_backend=self._attention_backend())
+                            attn_backend=self._attention_backend(),
+                            relaxed_topk=sc.relaxed_topk if relaxed else None)
         fast = worker.attn_backend == "triton"     # Triton kernels for decode-sized batches
         self.model.fast_kernels = fast
         if drafter is not None:
@@ -134,9 +139,6 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
         if isinstance(sc, MTPConfig):
-            if sc.use_relaxed_acceptance_for_thinking:
-                raise ValueError("use_relaxed_acceptance_for_thinking is not applied by this "
-                                 "engine yet (spec.acceptance.relaxed_accept is the rule)")
             head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
                                  self.dtype, dummy=self.config.load_format == "dummy")
             return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)
@@ -282,7 +284,10 @@ class Engine:
     def _finish_step(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
         had_drafts = [bool(r.draft_tokens) for r in batch.generation]
+        num_outputs = [len(r.output_token_ids) for r in batch.requests]
         advanced = self.scheduler.postprocess(batch, out)
+        if self.thinking is not None:
+            self._walk_thinking(batch, num_outputs)
         self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
                                          if h and a])
         for req in advanced:
@@ -292,6 +297,16 @@ class Engine:
                 if req.metrics.num_draft_tokens:
                     self.gate.record(req.metrics.acceptance_length)
         return advanced
+
+    def _walk_thinking(self, batch: ScheduledBatch, num_outputs: list[int]):
+        """Moves each request's thinking phase over the tokens this step fed or emitted: a
+        context chunk's prompt tokens (from scratch at position 0), then new outputs."""
+        for req, before in zip(batch.requests, num_outputs):
+            chunk = next((c for c in batch.context if c.req is req), None)
+            if chunk is not None:
+                fed = req.token_ids[chunk.start:chunk.start + chunk.length]
+                self.thinking.walk(req, fed, restart=chunk.start == 0)
+            self.thinking.walk(req, req.output_token_ids[before:])
 
     def num_running(self) -> int:
         return sum(r.status == RequestStatus.RUNNING for r in self.scheduler.running)

@@ -35,6 +35,7 @@ class StepOutput:
     accepted: list[list[int]]           # [Bg][K+1]
     num_accepted: list[int]             # [Bg]
     drafts: list[list[int]]             # [B][K] next draft tokens (context first)
+    relaxed: list[list[int]] | None = None  # [Bg][K] 1: draft accepted by the relaxed rule only
 
 
 class Scheduler:
@@ -165,8 +166,9 @@ class Scheduler:
             self._append(req, [token])
             req.draft_tokens = next_drafts
             advanced.append(req)
+        relaxed = iter(out.relaxed or [])
         for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
-            next_drafts = next(drafts)
+            next_drafts, relaxed_row = next(drafts), next(relaxed, None)
             if req.status != RequestStatus.RUNNING:
                 continue    # finished or aborted while this (overlapped) step was in flight
             req.metrics.target_steps += 1
@@ -177,6 +179,8 @@ class Scheduler:
                 # only drafts that were emitted (a stop or max_tokens may cut the run), so
                 # target_steps + num_accepted_draft_tokens == num_generated_tokens
                 req.metrics.num_accepted_draft_tokens += emitted - 1
+                if relaxed_row is not None:
+                    req.metrics.num_relaxed_accepted_tokens += sum(relaxed_row[:emitted - 1])
             req.draft_tokens = next_drafts
             advanced.append(req)
         for req in advanced:

@@ -3,6 +3,7 @@
 transformers modules, configuration errors, the CLI flag."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,23 @@ def test_thinking_phase_walk():
     phase.walk(req, [BEGIN])
     phase.walk(req, [1, 2], restart=True)            # recomputed from the start
     assert req.thinking_delta == 0.0
+
+
+# ---- benchmark shape ----------------------------------------------------------------------
+def test_expected_experts_worked_example():
+    from onespec.bench_moe import expected_experts
+    assert expected_experts(64, 6, 1) == pytest.approx(6.0)        # batch 1: the active ones
+    assert expected_experts(64, 6, 2) == pytest.approx(64 * (1 - (58 / 64) ** 2))
+    assert expected_experts(64, 6, 10_000) == pytest.approx(64.0)  # large batches: all
+
+
+def test_bench_mtp_shape_tiny_cpu(capsys):
+    from onespec.bench_cli import main
+    assert main(["decode", "--shape", "tiny-mla", "--device", "cpu", "--dtype", "float32",
+                 "--batch-sizes", "1", "--ks", "0,2", "--acceptance", "max", "--gen-len", "4",
+                 "--trials", "1", "--warmup-steps", "1", "--no-hf"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [(r["k"], r["acceptance_length"]) for r in rows] == [(0, 1.0), (2, 3.0)]
+    plain, mtp = rows
+    assert all("error" not in r and r["model"] == "tiny-mla-shape" for r in rows)
+    assert mtp["floor_ms"] > plain["floor_ms"] > 0 and mtp["speedup"] > 0

@@ -154,7 +154,8 @@ class MTPConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_int("relaxed_topk", self.relaxed_topk, 1, 64)
         if not (isinstance(self.relaxed_delta, (int, float)) and 0.0 <= self.relaxed_delta <= 1.0):
-            raise ValueError(f"relaxed_delta must be a number in [0, 1], got {self.relaxed_delta!r}")
+            raise ValueError(f"relaxed_delta must be a number in [0, 1], "
+                             f"got {self.relaxed_delta!r}")
         _check_int("begin_thinking_phase_token", self.begin_thinking_phase_token, 0,
                    allow_none=True)
         _check_int("end_thinking_phase_token", self.end_thinking_phase_token, 0,

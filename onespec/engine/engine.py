@@ -16,7 +16,7 @@ from onespec.engine.stats import SpecStats
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
-from onespec.models.llama import DecoderConfig, LlamaForCausalLM
+from onespec.models.llama import LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
 from onespec.models.mtp import load_mtp_head
 from onespec.models.registry import target_class

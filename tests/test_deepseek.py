@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_pool_full, hf_greedy
 from moe_utils import DEEPSEEK_VARIANTS, YARN, make_deepseek_model
 from onespec import LLM, SamplingParams
 from onespec.layers.attention import build_attention_metadata
@@ -47,7 +47,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
 def test_greedy_matches_transformers(models, variant, mode):
     path, _, refs = models[variant]
-    llm = LLM(path, dtype="float32", device="cpu", **ENGINE_MODES[mode])
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
     if mode == "preemption":
@@ -60,7 +60,7 @@ def test_both_attention_forms_match_transformers(models, monkeypatch, absorb_max
     """Every step expanded (0), or every step absorbed, prefill included (1000)."""
     path, _, refs = models["qlora-yarn-grouped"]
     monkeypatch.setattr(deepseek_v3, "ABSORB_MAX_ROWS", absorb_max_rows)
-    llm = LLM(path, dtype="float32", device="cpu")
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert_pool_full(llm)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_pool_full
+from conftest import TEST_DEVICE, assert_pool_full
 from moe_utils import add_mtp_layers, make_deepseek_model
 from onespec import LLM, MTPConfig, SamplingParams
 
@@ -29,12 +29,12 @@ def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("ds-mtp")
     hf = make_deepseek_model(path, mtp_layers=2)
     refs = add_mtp_layers(path, hf, 2)
-    plain = LLM(str(path), dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
+    plain = LLM(str(path), dtype="float32", device=TEST_DEVICE).generate(PROMPTS, GREEDY)
     return str(path), hf, refs, [o.outputs[0].token_ids for o in plain]
 
 
-def mtp_llm(path, k, vanilla=False, **kw):
-    return LLM(path, dtype="float32", device="cpu",
+def mtp_llm(path, k, vanilla=False, device=TEST_DEVICE, **kw):
+    return LLM(path, dtype="float32", device=device,
                speculative_config=MTPConfig(num_nextn_predict_layers=k,
                                             use_mtp_vanilla=vanilla), **kw)
 
@@ -86,7 +86,7 @@ def reference_drafts(hf, mtp, tokens: list[int], k: int):
 def test_drafts_match_cache_free_reference(target):
     path, hf, refs, _ = target
     k = 3
-    llm = mtp_llm(path, k, max_num_tokens=10)
+    llm = mtp_llm(path, k, device="cpu", max_num_tokens=10)     # compared on the CPU
     eng = llm.engine
     reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:4]]
     checked = 0
@@ -145,7 +145,7 @@ def test_accepted_drafts_count_only_emitted_tokens(target, cut):
     """Forced acceptance emits 4 tokens a step; max_tokens=10 or a stop token cuts a run
     inside a step: target_steps + num_accepted_draft_tokens == generated tokens still."""
     path, _, _, _ = target
-    llm = LLM(path, dtype="float32", device="cpu",
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE,
               speculative_config=MTPConfig(num_nextn_predict_layers=3,
                                            force_acceptance_length=4.0))
     free_run = [o.outputs[0].token_ids for o in
@@ -215,7 +215,7 @@ THINKING_PROMPTS = [[5, 6, 7], [9, 7, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] *
 
 
 def relaxed_llm(path, topk, delta, end=None, **kw):
-    return LLM(path, dtype="float32", device="cpu", speculative_config=MTPConfig(
+    return LLM(path, dtype="float32", device=TEST_DEVICE, speculative_config=MTPConfig(
         num_nextn_predict_layers=3, use_relaxed_acceptance_for_thinking=True,
         relaxed_topk=topk, relaxed_delta=delta, begin_thinking_phase_token=BEGIN,
         end_thinking_phase_token=end), **kw)
@@ -224,7 +224,7 @@ def relaxed_llm(path, topk, delta, end=None, **kw):
 @pytest.fixture(scope="module")
 def strict_outputs(target):
     path = target[0]
-    return [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu")
+    return [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device=TEST_DEVICE)
             .generate(THINKING_PROMPTS, GREEDY)]
 
 
@@ -236,7 +236,7 @@ def test_relaxed_engine_equals_strict(target, strict_outputs, topk, delta, end):
     if end is not None:      # the phase closes right after it opens, in every prompt
         prompts = [p + [END] for p in THINKING_PROMPTS]
         llm = relaxed_llm(path, topk, delta, end=END)
-        want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu")
+        want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device=TEST_DEVICE)
                 .generate(prompts, GREEDY)]
     else:
         prompts, llm, want = THINKING_PROMPTS, relaxed_llm(path, topk, delta), strict_outputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_pool_full, hf_greedy
 from moe_utils import make_qwen3_moe_model
 from onespec import LLM, SamplingParams
 from onespec.layers.attention import build_attention_metadata
@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_greedy_matches_transformers(model, mode):
     path, _, refs = model
-    llm = LLM(path, dtype="float32", device="cpu", **ENGINE_MODES[mode])
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
     layers = llm.engine.model.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoeBlock", "MLP",
                                                               "SparseMoeBlock"]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from onespec.bench_moe import MTP_SHAPES, is_moe, moe_step_bytes, mtp_target_config
+from onespec.bench_moe import (MTP_SHAPES, hf_weight_bytes, is_moe, moe_step_bytes,
+                               mtp_target_config)
 from onespec.spec.mtp import MTPDrafter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -328,10 +329,11 @@ def hf_row(model, cache: str, batch: int, args, bandwidth: float) -> dict:
     c = model.config
     itemsize = next(model.parameters()).element_size()
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
+    if getattr(c, "kv_lora_rank", None):         # MLA: transformers caches the latent
+        kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * itemsize
     kv_tokens = batch * (args.prompt_len + (steps + 1) / 2)      # keys read, mean over steps
     embed = model.model.embed_tokens.weight
-    weights = _nbytes(p for p in model.parameters() if p is not embed) \
-        + batch * embed.shape[1] * embed.element_size()
+    weights = hf_weight_bytes(model, batch) + batch * embed.shape[1] * embed.element_size()
     floor_ms = 1e3 * (weights + kv_tokens * kv_per_token) / bandwidth
     return {"k": 0, "forced_acceptance_length": 1.0, "acceptance_length": 1.0,
             "tok_s": batch / step_ms * 1e3, "step_ms": step_ms, "floor_ms": floor_ms,

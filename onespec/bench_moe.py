@@ -81,3 +81,20 @@ def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
 
 def is_moe(model) -> bool:
     return any(isinstance(m, Experts) for m in model.modules())
+
+
+def hf_weight_bytes(model, rows: int) -> float:
+    """Weights a transformers MoE decode step over `rows` tokens reads: all but the
+    embedding table and the stacked experts ([E, ...] `experts.*`), plus the experts the
+    rows are expected to reach."""
+    embed = model.model.embed_tokens.weight
+    top_k = getattr(model.config, "num_experts_per_tok", 0) or 1
+    out = 0.0
+    for name, p in model.named_parameters():
+        if p is embed:
+            continue
+        if ".experts." in name and p.dim() == 3:
+            out += p[0].numel() * p.element_size() * expected_experts(p.shape[0], top_k, rows)
+        else:
+            out += p.numel() * p.element_size()
+    return out

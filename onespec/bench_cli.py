@@ -22,6 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from onespec.engine.kv_cache import slots_per_step
+from onespec.bench_moe import (MTP_SHAPES, hf_weight_bytes, is_moe, moe_step_bytes,
+                               mtp_target_config)
+from onespec.speculative.mtp import MTPDrafter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -45,6 +48,10 @@ COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 MIN_STEP_TOKENS = 2048         # engine max_num_tokens (prefill chunk budget) at least
 
 
+def shape_label(shape: str) -> str:
+    return MTP_SHAPES[shape][0] if shape in MTP_SHAPES else SHAPES[shape][0]
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="onespec bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +67,8 @@ def parse_args(argv):
     p.add_argument("--trials", type=int, default=3,
                    help="timed runs of --gen-len tokens per onespec configuration; step_ms "
                         "is their median (each run's in step_ms_trials); transformers: one")
-    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES) + sorted(MTP_SHAPES),
+                   help="MLA + MoE shapes (%s) draft with their MTP layer" % ", ".join(MTP_SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"])
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
@@ -103,6 +111,8 @@ def spec_configs(ks: list[int], acceptance: list[str]) -> list[tuple[int, float]
 
 # ---- models and bandwidth ------------------------------------------------------------------
 def target_config(shape: str) -> dict:
+    if shape in MTP_SHAPES:
+        return mtp_target_config(shape)
     _, target, _ = SHAPES[shape]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **target, **COMMON,
             "head_dim": target["hidden_size"] // target["num_attention_heads"],
@@ -110,7 +120,14 @@ def target_config(shape: str) -> dict:
 
 
 def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
-    """config.json files for load_format='dummy': the target and a SafeAILab-style head."""
+    """config.json files for load_format='dummy': the target and a SafeAILab-style head
+    (None for the MTP shapes: their drafter is the target's own MTP layer)."""
+    if shape in MTP_SHAPES:
+        path = os.path.join(root, "target")
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(target_config(shape), f, indent=2)
+        return path, None
     _, target, head = SHAPES[shape]
     head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **head,
                 "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
@@ -161,7 +178,8 @@ def _nbytes(params) -> int:
 
 
 def kv_bytes_per_token(attn_layers) -> int:
-    return sum(2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size() for a in attn_layers)
+    return sum(a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token") else
+               2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size() for a in attn_layers)
 
 
 def step_bytes(model, head, batch: int, k: int, kv_tokens: float,
@@ -200,13 +218,16 @@ class Measurement:
 
 
 def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
-    from onespec import LLM, Eagle3Config
+    from onespec import LLM, Eagle3Config, MTPConfig
     max_model_len = args.prompt_len + max_tokens + 2 * k_max + 2
     block_size = 16
     blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
     batch = max(args.batch_sizes)
-    spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0) \
-        if k_max else None
+    spec = None
+    if k_max and head_dir is None:
+        spec = MTPConfig(num_nextn_predict_layers=k_max, force_acceptance_length=1.0)
+    elif k_max:
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
@@ -283,7 +304,11 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
     head = eng.drafter.head if eng.drafter is not None else None
     target_kv = kv_bytes_per_token([layer.self_attn for layer in eng.model.model.layers])
     head_kv = kv_bytes_per_token(eng.drafter.attention_layers) if head is not None else 0
-    parts = step_bytes(eng.model, head, batch, k, m.kv_tokens, target_kv, head_kv)
+    if isinstance(eng.drafter, MTPDrafter) or is_moe(eng.model):
+        parts = moe_step_bytes(eng.model, eng.drafter, batch, k, m.kv_tokens, target_kv,
+                               head_kv)
+    else:
+        parts = step_bytes(eng.model, head, batch, k, m.kv_tokens, target_kv, head_kv)
     floor_ms = 1e3 * sum(parts.values()) / bandwidth
     tok_s = batch * m.acceptance_length / m.step_ms * 1e3
     row = {"k": k, "forced_acceptance_length": acceptance,
@@ -305,10 +330,11 @@ def hf_row(model, cache: str, batch: int, args, bandwidth: float) -> dict:
     c = model.config
     itemsize = next(model.parameters()).element_size()
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
+    if getattr(c, "kv_lora_rank", None):         # MLA: transformers caches the latent
+        kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * itemsize
     kv_tokens = batch * (args.prompt_len + (steps + 1) / 2)      # keys read, mean over steps
     embed = model.model.embed_tokens.weight
-    weights = _nbytes(p for p in model.parameters() if p is not embed) \
-        + batch * embed.shape[1] * embed.element_size()
+    weights = hf_weight_bytes(model, batch) + batch * embed.shape[1] * embed.element_size()
     floor_ms = 1e3 * (weights + kv_tokens * kv_per_token) / bandwidth
     return {"k": 0, "forced_acceptance_length": 1.0, "acceptance_length": 1.0,
             "tok_s": batch / step_ms * 1e3, "step_ms": step_ms, "floor_ms": floor_ms,
@@ -417,7 +443,7 @@ def main(argv=None) -> int:
         print("onespec bench: error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    label = SHAPES[args.shape][0]
+    label = shape_label(args.shape)
     emit = make_emitter(args, label, device_name)
     start = time.perf_counter()
     bandwidth = copy_bandwidth(args.device)

@@ -8,16 +8,19 @@ import torch
 
 
 def build_hf_model(config: dict, device: str, dtype: torch.dtype):
-    """transformers LlamaForCausalLM from config.json fields, random init, never stopping on
-    EOS (random weights would end some rows early)."""
+    """The transformers model of config.json's architecture (LlamaForCausalLM by default)
+    from its fields, random init, never stopping on EOS (random weights would end some rows
+    early)."""
     import transformers
-    cfg = {k: v for k, v in config.items() if k != "architectures"}
+    arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+    cfg = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     cfg.update(bos_token_id=None, eos_token_id=None, pad_token_id=0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+            hf_config = transformers.AutoConfig.for_model(config.get("model_type", "llama"), **cfg)
+            model = getattr(transformers, arch)(hf_config)
     finally:
         torch.set_default_dtype(default)
     model.generation_config.eos_token_id = None

@@ -10,6 +10,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory")
     p.add_argument("--k", type=int, default=3, help="draft length (with --draft)")
+    p.add_argument("--mtp", type=int, default=None, metavar="K",
+                   help="draft K tokens with the target's own MTP layer (MTP-Eagle)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -19,8 +21,11 @@ def _add_engine_args(p: argparse.ArgumentParser):
 
 
 def build_llm(args):
-    from onespec import LLM, Eagle3Config
-    spec = Eagle3Config(args.draft, max_draft_len=args.k) if args.draft else None
+    from onespec import LLM, Eagle3Config, MTPConfig
+    if args.draft and args.mtp:
+        raise ValueError("--draft and --mtp are two drafters: pass one of them")
+    spec = Eagle3Config(args.draft, max_draft_len=args.k) if args.draft else \
+        MTPConfig(num_nextn_predict_layers=args.mtp) if args.mtp else None
     return LLM(args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks)
@@ -59,7 +64,7 @@ def cmd_generate(args):
     m = req.metrics
     line = (f"[{len(req.output_token_ids)} tokens in {elapsed:.2f}s, "
             f"{len(req.output_token_ids) / elapsed:.1f} tok/s, target steps {m.target_steps}")
-    if args.draft:
+    if args.draft or args.mtp:
         line += (f", acceptance length {m.acceptance_length:.2f}, drafts accepted "
                  f"{m.num_accepted_draft_tokens}/{m.num_draft_tokens}")
     print(line + "]", file=sys.stderr)

@@ -62,6 +62,36 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction!r}")
 
 
+def _check_drafting_options(cfg):
+    """Validates the options every drafter shares (schedule, gate, forced acceptance)."""
+    if cfg.draft_len_schedule is not None and cfg.max_concurrency is not None:
+        raise ValueError("set draft_len_schedule or max_concurrency, not both")
+    if cfg.max_concurrency is not None:
+        _check_int("max_concurrency", cfg.max_concurrency, 1)
+        cfg.draft_len_schedule = {cfg.max_concurrency: cfg.max_draft_len}
+    if cfg.draft_len_schedule is not None:
+        if not isinstance(cfg.draft_len_schedule, dict) or not cfg.draft_len_schedule:
+            raise ValueError("draft_len_schedule must be a non-empty {batch_size: K} dict")
+        sched = {}
+        for bs, k in cfg.draft_len_schedule.items():
+            _check_int("draft_len_schedule key (batch size)", int(bs), 1)
+            _check_int("draft_len_schedule value (draft length)", k, 0, cfg.max_draft_len)
+            sched[int(bs)] = k
+        cfg.draft_len_schedule = dict(sorted(sched.items()))
+    if (cfg.acceptance_window is None) != (cfg.acceptance_length_threshold is None):
+        raise ValueError("acceptance_window and acceptance_length_threshold go together")
+    if cfg.acceptance_window is not None:
+        _check_int("acceptance_window", cfg.acceptance_window, 1)
+        if not (cfg.acceptance_length_threshold >= 0.0):
+            raise ValueError("acceptance_length_threshold must be >= 0, "
+                             f"got {cfg.acceptance_length_threshold!r}")
+    if cfg.force_acceptance_length is not None:
+        a = cfg.force_acceptance_length
+        if not (1.0 <= a <= cfg.max_draft_len + 1):
+            raise ValueError("force_acceptance_length must be in "
+                             f"[1, max_draft_len + 1 = {cfg.max_draft_len + 1}], got {a!r}")
+
+
 @dataclass
 class Eagle3Config:
     """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
@@ -86,42 +116,56 @@ class Eagle3Config:
                     isinstance(i, int) and i >= 0 for i in self.layers_to_capture):
                 raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
                                  f"got {self.layers_to_capture!r}")
-        if self.draft_len_schedule is not None and self.max_concurrency is not None:
-            raise ValueError("set draft_len_schedule or max_concurrency, not both")
-        if self.max_concurrency is not None:
-            _check_int("max_concurrency", self.max_concurrency, 1)
-            self.draft_len_schedule = {self.max_concurrency: self.max_draft_len}
-        if self.draft_len_schedule is not None:
-            if not isinstance(self.draft_len_schedule, dict) or not self.draft_len_schedule:
-                raise ValueError("draft_len_schedule must be a non-empty {batch_size: K} dict")
-            sched = {}
-            for bs, k in self.draft_len_schedule.items():
-                _check_int("draft_len_schedule key (batch size)", int(bs), 1)
-                _check_int("draft_len_schedule value (draft length)", k, 0, self.max_draft_len)
-                sched[int(bs)] = k
-            self.draft_len_schedule = dict(sorted(sched.items()))
-        if (self.acceptance_window is None) != (self.acceptance_length_threshold is None):
-            raise ValueError("acceptance_window and acceptance_length_threshold go together")
-        if self.acceptance_window is not None:
-            _check_int("acceptance_window", self.acceptance_window, 1)
-            if not (self.acceptance_length_threshold >= 0.0):
-                raise ValueError("acceptance_length_threshold must be >= 0, "
-                                 f"got {self.acceptance_length_threshold!r}")
+        _check_drafting_options(self)
         if self.draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
-        if self.force_acceptance_length is not None:
-            a = self.force_acceptance_length
-            if not (1.0 <= a <= self.max_draft_len + 1):
-                raise ValueError("force_acceptance_length must be in "
-                                 f"[1, max_draft_len + 1 = {self.max_draft_len + 1}], got {a!r}")
 
 
 @dataclass
 class MTPConfig:
-    """DeepSeek-style MTP drafting. Declared for API stability; not implemented yet."""
-    num_nextn_predict_layers: int = 1
-    max_draft_len: int = 1
+    """Drafting with the target's own multi-token-prediction layers (SPEC.md §6), and
+    relaxed acceptance inside a thinking phase (SPEC.md §4; lossy, greedy requests only)."""
+    num_nextn_predict_layers: int = 1      # K: drafts per step
+    use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
+    use_relaxed_acceptance_for_thinking: bool = False
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    begin_thinking_phase_token: int | None = None
+    end_thinking_phase_token: int | None = None
+    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
+    max_concurrency: int | None = None                 # == {N: K}
+    use_rejection_sampling: bool = False
+    acceptance_window: int | None = None
+    acceptance_length_threshold: float | None = None
+    force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.num_nextn_predict_layers
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers read from the checkpoint."""
+        return self.num_nextn_predict_layers if self.use_mtp_vanilla else 1
 
     def __post_init__(self):
-        raise NotImplementedError("MTP drafting is not implemented in this version of onespec; "
-                                  "use Eagle3Config")
+        _check_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 1, 32)
+        for name in ("use_mtp_vanilla", "use_relaxed_acceptance_for_thinking",
+                     "use_rejection_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_int("relaxed_topk", self.relaxed_topk, 1, 64)
+        if not (isinstance(self.relaxed_delta, (int, float)) and 0.0 <= self.relaxed_delta <= 1.0):
+            raise ValueError(f"relaxed_delta must be a number in [0, 1], "
+                             f"got {self.relaxed_delta!r}")
+        _check_int("begin_thinking_phase_token", self.begin_thinking_phase_token, 0,
+                   allow_none=True)
+        _check_int("end_thinking_phase_token", self.end_thinking_phase_token, 0,
+                   allow_none=True)
+        if self.use_relaxed_acceptance_for_thinking and self.begin_thinking_phase_token is None:
+            raise ValueError("use_relaxed_acceptance_for_thinking needs "
+                             "begin_thinking_phase_token (and usually end_thinking_phase_token)")
+        if self.use_relaxed_acceptance_for_thinking and self.use_rejection_sampling:
+            raise ValueError("relaxed acceptance is for greedy requests; it cannot be combined "
+                             "with use_rejection_sampling")
+        _check_drafting_options(self)

@@ -76,7 +76,8 @@ def test_sampled_speculation_keeps_target_distribution(setup, case):
                                               use_rejection_sampling=case["rejection"]))
     samples = sample_many(llm, sp)
     stats = llm.stats()
-    assert stats["num_accepted_draft_tokens"] > 0.1 * NUM_SAMPLES   # drafts really accepted
+    # drafts really accepted (only emitted ones count: max_tokens=3 leaves one per request)
+    assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
     joint = exact_joint(hf, case["temperature"], case["top_k"], case["top_p"])
     assert chi_square_pvalue(samples, joint) > 1e-4
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from onespec.config import Eagle3Config, EngineConfig
+from onespec.config import Eagle3Config, EngineConfig, MTPConfig
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
                                      slots_per_step)
@@ -20,10 +20,14 @@ from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.loader import read_config
-from onespec.models.registry import load_target, load_tokenizer, resolve_device, resolve_dtype
+from onespec.models.mtp import load_mtp_head
+from onespec.models.registry import (load_target, load_tokenizer, resolve_device, resolve_dtype,
+                                     target_class)
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
+from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.thinking import ThinkingPhase
 from onespec.speculative.worker import SpecWorker
 
 CPU_KV_BUDGET_BYTES = 4 << 30
@@ -80,10 +84,14 @@ class Engine:
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sc = speculative_config
+        relaxed = isinstance(sc, MTPConfig) and sc.use_relaxed_acceptance_for_thinking
+        self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,
+                                      sc.relaxed_delta) if relaxed else None
         worker = SpecWorker(self.model, drafter,
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
-                            generator=self.generator, attn_backend=backend)
+                            generator=self.generator, attn_backend=backend,
+                            relaxed_topk=sc.relaxed_topk if relaxed else None)
         graphs = None
         if config.cuda_graphs and self.kernel_settings.triton:
             graphs = CudaGraphRunner(worker, config.block_size,
@@ -102,7 +110,11 @@ class Engine:
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
 
     # ---- set-up ------------------------------------------------------------------------
-    def _load_drafter(self, sc: Eagle3Config) -> Eagle3Drafter:
+    def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
+        if isinstance(sc, MTPConfig):
+            head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
+                                 self.dtype, dummy=self.config.load_format == "dummy")
+            return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = self.model.config.num_hidden_layers
         if sc.layers_to_capture is not None:
@@ -143,10 +155,15 @@ class Engine:
 
     def _attention_backend(self) -> str:
         backend = self.config.attention_backend
+        target_cls = target_class(read_config(self.config.model))
+        portable_only = not target_cls.supports_triton
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" and not portable_only else "torch"
         if backend == "triton" and self.device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
+        if backend == "triton" and portable_only:
+            raise ValueError(f"attention_backend='triton' is not available for "
+                             f"{target_cls.__name__}; use 'torch'")
         return backend
 
     def _default_draft_len(self, batch_size: int) -> int:
@@ -291,7 +308,10 @@ class Engine:
     def _finish_step(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
         had_drafts = [bool(r.draft_tokens) for r in batch.generation]
+        num_outputs = [len(r.output_token_ids) for r in batch.requests]
         advanced = self.scheduler.postprocess(batch, out)
+        if self.thinking is not None:
+            self._walk_thinking(batch, num_outputs)
         self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
                                          if h and a])
         for req in advanced:
@@ -301,6 +321,16 @@ class Engine:
                 if req.metrics.num_draft_tokens:
                     self.gate.record(req.metrics.acceptance_length)
         return advanced
+
+    def _walk_thinking(self, batch: ScheduledBatch, num_outputs: list[int]):
+        """Moves each request's thinking phase over the tokens this step fed or emitted: a
+        context chunk's prompt tokens (from scratch at position 0), then new outputs."""
+        for req, before in zip(batch.requests, num_outputs):
+            chunk = next((c for c in batch.context if c.req is req), None)
+            if chunk is not None:
+                fed = req.token_ids[chunk.start:chunk.start + chunk.length]
+                self.thinking.walk(req, fed, restart=chunk.start == 0)
+            self.thinking.walk(req, req.output_token_ids[before:])
 
     def num_running(self) -> int:
         return sum(r.status == RequestStatus.RUNNING for r in self.scheduler.running)

@@ -42,14 +42,21 @@ def slots_per_step(k: int, drafting: bool = True) -> int:
 
 
 def kv_bytes_per_block(attn_layers, block_size: int) -> int:
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * a.o_proj.weight.element_size()
+    """A layer may define cache_bytes_per_token() (e.g. MLA's latent cache); otherwise it
+    holds k_cache and v_cache of [slots, Hkv, D]."""
+    return sum(block_size * (a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token")
+                             else 2 * a.num_kv_heads * a.head_dim * a.o_proj.weight.element_size())
                for a in attn_layers)
 
 
 def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
     """Gives each attention layer (target and draft alike) its slice of one block pool, in
-    the layer's own dtype (a draft head may run in a lower precision than its target)."""
+    the layer's own dtype (a draft head may run in a lower precision than its target).
+    A layer with its own cache layout defines allocate_cache(num_slots, device)."""
     for a in attn_layers:
+        if hasattr(a, "allocate_cache"):
+            a.allocate_cache(num_blocks * block_size, device)
+            continue
         shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
         a.k_cache = torch.zeros(shape, dtype=a.o_proj.weight.dtype, device=device)
         a.v_cache = torch.zeros_like(a.k_cache)

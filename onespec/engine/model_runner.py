@@ -40,12 +40,16 @@ class ModelRunner:
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        relaxed = [] if res.relaxed is None else [res.relaxed.reshape(-1)]
         flat = torch.cat([res.context_tokens, res.accepted.reshape(-1), res.num_accepted,
-                          res.drafts.reshape(-1)]).tolist()                  # one host copy
+                          res.drafts.reshape(-1), *relaxed]).tolist()        # one host copy
         ctx, flat = flat[:bc], flat[bc:]
         acc, flat = flat[:bg * (k + 1)], flat[bg * (k + 1):]
         num_acc, flat = flat[:bg], flat[bg:]
         kd = res.drafts.shape[1]
+        if relaxed:
+            flat, relaxed = flat[:-bg * k], flat[-bg * k:]
+            relaxed = [relaxed[i * k:(i + 1) * k] for i in range(bg)]
         drafts: list[list[int]] = [[] for _ in range(bc + bg)]
         for row, i in enumerate(drafting_requests(batch) if kd else []):
             drafts[i] = flat[row * kd:(row + 1) * kd]
@@ -56,6 +60,7 @@ class ModelRunner:
             accepted=[acc[i * (k + 1):(i + 1) * (k + 1)] for i in range(bg)],
             num_accepted=num_acc,
             drafts=drafts,
+            relaxed=relaxed or None,
         )
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
@@ -130,6 +135,9 @@ class ModelRunner:
                                         [r.num_computed + 1 for r in batch.generation]),
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
             max_kv_draft=max_kv + k, block_size=self.block_size,
+            relaxed_delta=None if self.worker.relaxed_topk is None else torch.tensor(
+                [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
+                 for r in batch.generation], dtype=torch.float32, device=dev),
         )
 
     def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:

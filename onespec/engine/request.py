@@ -27,6 +27,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0          # drafts verified
     num_accepted_draft_tokens: int = 0
     num_generated_tokens: int = 0
+    num_relaxed_accepted_tokens: int = 0   # emitted drafts only relaxed acceptance took
 
     @property
     def acceptance_length(self) -> float:
@@ -48,6 +49,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
+    thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

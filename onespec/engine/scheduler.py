@@ -35,6 +35,7 @@ class StepOutput:
     accepted: list[list[int]]           # [Bg][K+1]
     num_accepted: list[int]             # [Bg]
     drafts: list[list[int]]             # [B][K] next draft tokens (context first)
+    relaxed: list[list[int]] | None = None  # [Bg][K] 1: draft accepted by the relaxed rule only
 
 
 class Scheduler:
@@ -163,16 +164,21 @@ class Scheduler:
             self._append(req, [token])
             req.draft_tokens = next_drafts
             advanced.append(req)
+        relaxed = iter(out.relaxed or [])
         for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
-            next_drafts = next(drafts)
+            next_drafts, relaxed_row = next(drafts), next(relaxed, None)
             if req.status != RequestStatus.RUNNING:
                 continue    # finished or aborted while this (overlapped) step was in flight
-            if batch.k > 0 and req.draft_tokens:
-                req.metrics.num_draft_tokens += batch.k
-                req.metrics.num_accepted_draft_tokens += n - 1
             req.metrics.target_steps += 1
             req.num_computed += n             # KV past the accepted prefix is rewound
-            self._append(req, accepted[:n])
+            emitted = self._append(req, accepted[:n])
+            if batch.k > 0 and req.draft_tokens:
+                req.metrics.num_draft_tokens += batch.k
+                # only drafts that were emitted (a stop or max_tokens may cut the run), so
+                # target_steps + num_accepted_draft_tokens == num_generated_tokens
+                req.metrics.num_accepted_draft_tokens += emitted - 1
+                if relaxed_row is not None:
+                    req.metrics.num_relaxed_accepted_tokens += sum(relaxed_row[:emitted - 1])
             req.draft_tokens = next_drafts
             advanced.append(req)
         for req in advanced:
@@ -180,15 +186,19 @@ class Scheduler:
                 self._release(req)
         return advanced
 
-    def _append(self, req: Request, tokens: list[int]):
+    def _append(self, req: Request, tokens: list[int]) -> int:
+        """Appends tokens until a stop condition; returns how many were appended."""
         sp = req.sampling_params
-        for t in tokens:
+        for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
             req.metrics.num_generated_tokens += 1
             if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_ids:
-                return self._finish(req, "stop")
+                self._finish(req, "stop")
+                return i + 1
             if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-                return self._finish(req, "length")
+                self._finish(req, "length")
+                return i + 1
+        return len(tokens)
 
     def _finish(self, req: Request, reason: str):
         req.status = RequestStatus.FINISHED

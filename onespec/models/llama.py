@@ -221,6 +221,9 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> (final-normed hidden [T, H],
     captured residual streams [T, len(capture)·H] or None)."""
 
+    config_class = DecoderConfig
+    supports_triton = True     # the fused Triton kernels serve this class (TritonOps)
+
     def __init__(self, cfg: DecoderConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.config = cfg
@@ -250,6 +253,12 @@ class LlamaForCausalLM(nn.Module):
                 saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
         return x, captured
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        """Checkpoint key -> parameter name (None: skip it; a tied lm_head is the embedding)."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
 
     def compute_logits(self, hidden):
         return self.ops.logits(self.lm_head, hidden)                        # [N, V]

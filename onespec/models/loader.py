@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import stat
+import re
 
 import torch
 from safetensors import safe_open
@@ -20,6 +21,9 @@ PACKED_MODULES = {
     "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# per-expert checkpoint keys -> stacked expert parameters (models/moe.py Experts)
+EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
 
 
 class HFConfig(dict):
@@ -144,8 +148,29 @@ def _packed_target(module: torch.nn.Module, name: str):
     return name, None, None
 
 
-def _checkpoint_names(param_name: str) -> list[str]:
+def _expert_target(params: dict, name: str):
+    """'...experts.3.up_proj.weight' -> (the stacked parameter's name, the rows it fills)."""
+    m = EXPERT_KEY.fullmatch(name)
+    if m is None:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    param_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    param = params.get(param_name)
+    if param is None or e >= param.shape[0]:
+        return param_name, None
+    dest = param.data[e]
+    if proj != "down_proj":
+        half = dest.shape[0] // 2
+        dest = dest.narrow(0, 0 if proj == "gate_proj" else half, half)
+    return param_name, dest
+
+
+def _checkpoint_names(param_name: str, param: torch.Tensor | None = None) -> list[str]:
     """The checkpoint keys that feed a parameter: '...qkv_proj.weight' <- q/k/v_proj."""
+    m = STACKED_EXPERTS.fullmatch(param_name)
+    if m is not None and param is not None:
+        projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
+        return [f"{m.group(1)}.{e}.{p}.weight" for e in range(param.shape[0]) for p in projs]
     parts = param_name.split(".")
     shards = [s for s, (packed, _) in PACKED_MODULES.items()
               if len(parts) > 1 and packed == parts[-2]]
@@ -164,16 +189,23 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
         name = rename(raw_name)
         if name is None:
             continue
-        try:
-            param_name, offset, size = _packed_target(module, name)
-        except AttributeError:
+        expert = _expert_target(params, name)
+        if expert is not None:
+            param_name, dest = expert
+        elif name in params:        # a parameter of that very name (e.g. MLA's q_proj)
+            param_name, dest = name, params[name].data
+        else:
+            try:
+                param_name, offset, size = _packed_target(module, name)
+            except AttributeError:
+                unexpected.append(raw_name)
+                continue
+            param = params.get(param_name)
+            dest = None if param is None else \
+                param.data if offset is None else param.data.narrow(0, offset, size)
+        if dest is None:
             unexpected.append(raw_name)
             continue
-        param = params.get(param_name)
-        if param is None:
-            unexpected.append(raw_name)
-            continue
-        dest = param.data if offset is None else param.data.narrow(0, offset, size)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"{what}: weight {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
@@ -182,8 +214,8 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
     if strict and unexpected:
         raise ValueError(f"{what}: unexpected weights {sorted(unexpected)[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
-    missing = [n for pname in params if pname not in loaded
-               for n in _checkpoint_names(pname) if n not in loaded]
+    missing = [n for pname, p in params.items() if pname not in loaded
+               for n in _checkpoint_names(pname, p) if n not in loaded]
     if missing:
         raise ValueError(f"{what}: missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unexpected

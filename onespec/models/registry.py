@@ -11,15 +11,30 @@ import torch
 from torch import nn
 
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.models.llama import ARCHITECTURES, DecoderConfig, LlamaForCausalLM
+from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
+from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
+TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
+TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
 
 
 def register_target(architecture: str, cls: type[nn.Module]):
     """Serve checkpoints whose config.json names `architecture` with `cls`."""
     TARGET_MODELS[architecture] = cls
+
+
+def target_class(cfg: dict) -> type[nn.Module]:
+    """The model class serving a config.json's `architectures`."""
+    archs = cfg.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:
+        if isinstance(arch, str) and arch in TARGET_MODELS:
+            return TARGET_MODELS[arch]
+    source = getattr(cfg, "source", "config.json")
+    raise ValueError(f"{source}: unsupported architecture {archs!r}; supported: "
+                     f"{tuple(TARGET_MODELS)}")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -41,19 +56,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_target(path: str, device, dtype, dummy: bool = False,
                 ops: TorchOps = TORCH_OPS) -> LlamaForCausalLM:
-    """The target model at `path` (random weights if `dummy`), built with the backend `ops`."""
-    cfg = DecoderConfig.from_hf(read_config(path))
+    """The target model at `path` (random weights if `dummy`), built with the backend `ops`
+    (classes without Triton kernels, `supports_triton = False`, take the portable path)."""
+    raw = read_config(path)
+    cls = target_class(raw)
+    cfg = cls.config_class.from_hf(raw)
     with torch.device("meta"):
-        model = TARGET_MODELS[cfg.architecture](cfg, ops)
+        model = cls(cfg, ops if cls.supports_triton else TORCH_OPS)
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
         return model.to(dtype=dtype).eval()
-    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
-        else (lambda n: n)
-    load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
+    load_weights(model, iter_weights(path), rename=model.checkpoint_rename,
+                 what=f"checkpoint {path!r}")
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -114,3 +114,37 @@ def forced_num_accepted(acceptance_length: float, num_requests: int, k: int, ste
     idx = torch.arange(num_requests, device=device).add_(step, alpha=FORCED_POOL_STRIDE) \
         .remainder_(FORCED_POOL_SIZE)
     return _forced_counts[key][idx]
+
+
+def relaxed_accept(draft_tokens: Tensor,   # [B, K] int64
+                   target_logits: Tensor,  # [B, K+1, V]
+                   delta: Tensor,          # [B] float: relaxed_delta inside thinking, else 0
+                   topk: int,
+                   ) -> tuple[Tensor, Tensor, Tensor]:  # ([B, K+1], [B], [B, K]) int64
+    """Relaxed acceptance for thinking phases (greedy only; lossy by design).
+
+    At position j take the top-`topk` probabilities p_1 >= p_2 >= ... (softmax) and the
+    threshold p_1 - delta; draft j is accepted if it is candidate 1, or candidate c > 1 with
+    p_c >= threshold (the scan stops at the first c below it). Accepted drafts are emitted
+    as drafted; the token at the first rejected position (or the bonus) is the top-1.
+    Returns (accepted_tokens, num_accepted, relaxed [B, K]: accepted drafts that differ
+    from the top-1). topk == 1, or delta == 0 without ties, is strict acceptance.
+
+    probs [.5 .3 .1 .05 .05], [.1 .6 .2 .05 .05], [.4 .1 .35 .1 .05], drafts [1, 1, 3],
+    topk 2, delta 0.3 -> accepted [1, 1, 0], num_accepted 3, relaxed [1, 0, 0].
+    """
+    k = draft_tokens.shape[1]
+    top1 = target_logits.argmax(-1)                                     # [B, K+1]
+    if k == 0:
+        return top1, top1.new_ones(top1.shape[0]), draft_tokens
+    probs = target_logits[:, :k].float().softmax(-1)                    # [B, K, V]
+    top_p, top_i = probs.topk(topk, dim=-1)                             # [B, K, topk]
+    candidate = top_p >= top_p[..., :1] - delta.view(-1, 1, 1)
+    candidate[..., 0] = True
+    ok = ((top_i == draft_tokens.unsqueeze(-1)) & candidate).any(-1)    # [B, K]
+    num_drafts = _num_leading_true(ok)                                  # [B]
+    accepted = torch.cat([draft_tokens, top1[:, -1:]], dim=1)           # [B, K+1]
+    accepted.scatter_(1, num_drafts.unsqueeze(-1), top1.gather(1, num_drafts.unsqueeze(-1)))
+    emitted_draft = torch.arange(k, device=ok.device) < num_drafts.unsqueeze(-1)
+    relaxed = ((draft_tokens != top1[:, :k]) & emitted_draft).long()
+    return accepted, num_drafts + 1, relaxed

@@ -4,14 +4,15 @@
     attention_layers                    its KV layers (extra layers of the same block pool)
     draft_vocab_size                    size of its vocabulary (mapped to target ids)
     initial_hidden(captured, final)     step 0's hidden input                   -> [T, H]
-    forward(ids, positions, h, meta)    one draft pass, writes draft KV -> pre-norm [T, H]
+    forward(ids, positions, h, meta, step)  draft pass `step` (0..K-1), writes draft KV
+                                        -> the hidden carried to the next pass [T, H]
     compute_logits(h)                   draft-vocab logits                      -> [N, Vd]
     greedy_target_ids(h)                their argmax, as target ids             -> [N]
     to_target_ids(ids)                  draft ids -> target ids
     draft_vocab_target_ids()            the target id of every draft id         -> [Vd]
 
-A new drafting method (MTP, trees, n-gram, ...) adds one file here with a class of this
-shape.
+eagle3.py and mtp.py implement it; a new drafting method (trees, n-gram, ...) adds one
+file here with a class of this shape.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Drafter(Protocol):
                        final_hidden: torch.Tensor) -> torch.Tensor: ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                meta) -> torch.Tensor: ...
+                meta, step: int = 0) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

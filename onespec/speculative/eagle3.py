@@ -28,7 +28,7 @@ class Eagle3Drafter:
     def initial_hidden(self, captured, final_hidden):
         return self.head.initial_hidden(captured.to(self.dtype))           # [T, H]
 
-    def forward(self, input_ids, positions, hidden, meta):
+    def forward(self, input_ids, positions, hidden, meta, step: int = 0):
         # the head gathers the embedding rows itself (one kernel with its input norms)
         return self.head(None, hidden, positions, meta, ids=input_ids,
                          table=self.embed.weight)                           # [T, H]

@@ -14,7 +14,8 @@ from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata
                                       build_attention_metadata)
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, probs_from_logits, sample,
                                     sample_from_probs)
-from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
+from onespec.speculative.acceptance import (forced_num_accepted, rejection_accept, relaxed_accept,
+                                            strict_accept)
 from onespec.speculative.drafter import Drafter
 
 
@@ -40,6 +41,7 @@ class StepInputs:
     draft_sampling: SamplingTensors  # per drafting request (draft_reqs)
     max_kv_draft: int                # host bound on draft-step key lengths
     block_size: int
+    relaxed_delta: torch.Tensor | None = None  # [Bg] thinking delta (relaxed acceptance)
 
 
 @dataclass
@@ -49,13 +51,15 @@ class StepResults:
     num_accepted: torch.Tensor       # [Bg]
     drafts: torch.Tensor             # [Bd, K] target ids, one row per draft_reqs entry
     draft_probs: torch.Tensor | None  # [Bd, K, V] in target-vocab space (rejection sampling)
+    relaxed: torch.Tensor | None = None  # [Bg, K] drafts accepted by the relaxed rule only
 
 
 class SpecWorker:
     def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
                  force_acceptance_length: float | None = None, generator=None,
-                 attn_backend: str = "torch"):
+                 attn_backend: str = "torch", relaxed_topk: int | None = None):
         self.target, self.drafter = target, drafter
+        self.relaxed_topk = relaxed_topk      # relaxed acceptance for greedy batches
         self.use_rejection_sampling = use_rejection_sampling
         self.force_acceptance_length = force_acceptance_length
         self.generator = generator           # for rows of unseeded requests
@@ -67,10 +71,15 @@ class SpecWorker:
     def step(self, inp: StepInputs) -> StepResults:
         capture = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
-        context_tokens, accepted, num_accepted = self._accept(inp, hidden[inp.logit_rows])
+        rows = hidden[inp.logit_rows]
+        if self._relaxing(inp):
+            context_tokens, accepted, num_accepted, relaxed = self._accept_relaxed(inp, rows)
+        else:
+            context_tokens, accepted, num_accepted = self._accept(inp, rows)
+            relaxed = None
         drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
                                             num_accepted)
-        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs)
+        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs, relaxed)
 
     # ---- acceptance --------------------------------------------------------------------
     def _accept(self, inp: StepInputs, rows):
@@ -99,6 +108,19 @@ class SpecWorker:
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
                                                self.step_counter, rows.device)
         return tokens, accepted, num_accepted
+
+    def _relaxing(self, inp: StepInputs) -> bool:
+        return (inp.relaxed_delta is not None and inp.num_gen > 0 and inp.k > 0
+                and inp.row_sampling.all_greedy and not self._forcing(inp.num_gen))
+
+    def _accept_relaxed(self, inp: StepInputs, rows):
+        """Greedy acceptance with relaxed_accept; returns the [Bg, K] relaxed-only mask too."""
+        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        tokens = self.target.greedy_tokens(rows[:bc])                                # [Bc]
+        logits = self.target.compute_logits(rows[bc:]).view(bg, k + 1, -1)           # [Bg, K+1, V]
+        accepted, num_accepted, relaxed = relaxed_accept(inp.draft_tokens, logits,
+                                                         inp.relaxed_delta, self.relaxed_topk)
+        return tokens, accepted, num_accepted, relaxed
 
     def _forcing(self, num_gen: int) -> bool:
         return self.force_acceptance_length is not None and num_gen > 0
@@ -137,7 +159,7 @@ class SpecWorker:
                 meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
                                                 inp.max_kv_draft, None, self.attn_backend) \
                     if meta is None else advance_decode_metadata(meta, pos)
-                h = self.drafter.forward(drafts[-1], pos, h, meta)
+                h = self.drafter.forward(drafts[-1], pos, h, meta, step=step)
             token, q = self._pick(h, inp.draft_sampling, pos)
             drafts.append(token)
             probs.append(q)

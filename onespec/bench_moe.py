@@ -1,0 +1,100 @@
+"""The MLA + MoE shapes of `onespec bench decode`, drafted by the target's own MTP layer.
+
+`deepseek-v2-lite` is DeepSeek-V2-Lite / Moonlight-like: 27 layers, hidden 2048, MLA
+(no q LoRA, kv_lora_rank 512, 16 heads of 128 + 64 rope dims), a dense first layer, then 64
+routed experts of which 6 are active plus 2 shared, vocab 102,400, and one MTP layer;
+routing is DeepSeek-V3's (sigmoid, one group). The floor of a step counts the experts the
+step's rows are expected to reach: at batch 1 exactly the active ones.
+"""
+from __future__ import annotations
+
+from onespec.models.moe import Experts
+
+MTP_SHAPES = {
+    "deepseek-v2-lite": ("deepseek-v2-lite-shape", dict(
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, vocab_size=102400)),
+    "tiny-mla": ("tiny-mla-shape", dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, vocab_size=1000)),
+}
+
+
+def mtp_target_config(shape: str) -> dict:
+    _, fields = MTP_SHAPES[shape]
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **fields,
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "rope_interleave": True,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+            "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts `rows` tokens reach when each picks top_k uniformly: E(1-(1-k/E)^r)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def _layer_bytes(module, rows: int, top_k: int) -> float:
+    """Weights a pass over `rows` tokens reads: all but the experts, plus those reached."""
+    experts = [m for m in module.modules() if isinstance(m, Experts)]
+    expert_ids = {id(p) for e in experts for p in e.parameters()}
+    out = float(_nbytes(p for p in module.parameters() if id(p) not in expert_ids))
+    for e in experts:
+        per_expert = _nbytes(e.parameters()) / e.num_experts
+        out += per_expert * expected_experts(e.num_experts, top_k, rows)
+    return out
+
+
+def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
+                   target_kv_per_token: int, head_kv_per_token: int) -> dict[str, float]:
+    """As bench_cli.step_bytes, for an MoE target drafted by its MTP layer: the target's
+    layers over batch (K+1) rows, the MTP layer over the same rows at step 0 and one row per
+    request in each of the K-1 later passes, the LM head once per pass."""
+    rows, top_k = batch * (k + 1), model.config.num_experts_per_tok
+    embed = model.model.embed_tokens.weight
+    target = sum(_layer_bytes(layer, rows, top_k) for layer in model.model.layers)
+    target += _nbytes(model.model.norm.parameters()) + _nbytes([model.lm_head.weight])
+    target += rows * embed.shape[1] * embed.element_size()
+    out = {"target": target, "head": 0.0, "kv": kv_tokens * target_kv_per_token}
+    if drafter is not None and k > 0:
+        layer = drafter.head.layers[0]       # (vanilla mode is not benchmarked)
+        lm_head = layer.shared_head.head or model.lm_head
+        per_pass = _nbytes(p for n, p in layer.named_parameters()
+                           if n.split(".")[0] in ("enorm", "hnorm", "eh_proj"))
+        per_pass += _nbytes(layer.shared_head.norm.parameters()) + _nbytes([lm_head.weight])
+        head_rows = [rows] + [batch] * (k - 1)
+        out["head"] = sum(per_pass + _layer_bytes(layer.block, r, top_k) for r in head_rows)
+        out["kv"] += k * kv_tokens * head_kv_per_token
+    return out
+
+
+def is_moe(model) -> bool:
+    return any(isinstance(m, Experts) for m in model.modules())
+
+
+def hf_weight_bytes(model, rows: int) -> float:
+    """Weights a transformers MoE decode step over `rows` tokens reads: all but the
+    embedding table and the stacked experts ([E, ...] `experts.*`), plus the experts the
+    rows are expected to reach."""
+    embed = model.model.embed_tokens.weight
+    top_k = getattr(model.config, "num_experts_per_tok", 0) or 1
+    out = 0.0
+    for name, p in model.named_parameters():
+        if p is embed:
+            continue
+        if ".experts." in name and p.dim() == 3:
+            out += p[0].numel() * p.element_size() * expected_experts(p.shape[0], top_k, rows)
+        else:
+            out += p.numel() * p.element_size()
+    return out

@@ -1,0 +1,378 @@
+"""DeepSeek-V3 (and Kimi-K2, same architecture): multi-head latent attention and MoE.
+
+MLA, per token (r = kv_lora_rank, n/p/v = qk_nope/qk_rope/v head dims, h = head):
+
+    q          = q_b(norm(q_a(x)))  or  q_proj(x)                      # [heads, n + p]
+    c, k_pe    = kv_a_proj_with_mqa(x)   ->  c = kv_a_layernorm(c)      # [r], [p]
+    k_h, v_h   = kv_b(c) split per head                                 # [n], [v]
+    score_h(j) = scale * (q_nope_h . k_h(j) + rope(q_pe_h) . rope(k_pe)(j))
+
+The paged pool stores the latent [c, rope(k_pe)] ([r + p] per token and layer), not the
+expanded keys and values. Batches of short requests (decode, verify, draft steps) attend in
+the absorbed form, W_UK and W_UV being kv_b's per-head key and value rows:
+
+    score_h(j) = scale * ([q_nope_h W_UK_h, q_pe_h] . latent(j));  out_h = (sum_j a_j c(j)) W_UV_h^T
+
+Longer prefill chunks expand the cached latents through kv_b and attend as usual. RoPE may
+be interleaved (pairs (x0, x1), (x2, x3), ...) and YaRN-scaled; YaRN's mscale_all_dim
+multiplies the softmax scale by mscale^2.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onespec.layers.attention import AttentionMetadata
+from onespec.layers.norm import RMSNorm
+from onespec.layers.ops import TORCH_OPS, TorchOps
+from onespec.layers.rotary import RotaryEmbedding
+from onespec.models.llama import MLP
+from onespec.models.moe import Experts, Float32Router, PagedCausalLM, deepseek_route
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+ROPE_TYPES = ("default", "yarn")
+ABSORB_MAX_ROWS = 16        # requests with at most this many rows attend in absorbed form
+LATENT_NORM_EPS = 1e-6      # q_a_layernorm / kv_a_layernorm (not config.rms_norm_eps)
+
+
+def _eos(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _rope(cfg: dict) -> tuple[float, dict]:
+    """(theta, scaling) from transformers 5.x rope_parameters or 4.x rope_scaling."""
+    merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} is not supported for DeepSeek-V3; "
+                         f"supported: {ROPE_TYPES}")
+    merged["rope_type"] = kind
+    if kind == "yarn":
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        orig = merged.get("original_max_position_embeddings") or max_pos
+        merged["original_max_position_embeddings"] = orig
+        merged["factor"] = merged.get("factor") or max_pos / orig
+    return float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0))), merged
+
+
+@dataclass
+class DeepseekV3Config:
+    """The fields of a DeepSeek-V3 config.json that the model needs."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict
+    rope_interleave: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
+        archs = cfg.get("architectures") or []
+        if not any(a in ARCHITECTURES for a in archs):
+            raise ValueError(f"not a DeepSeek-V3 config: architectures {archs!r}")
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"scoring_func {cfg['scoring_func']!r} is not supported "
+                             "(DeepSeek-V3 routing is 'sigmoid')")
+        try:
+            theta, scaling = _rope(cfg)
+            mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0))
+            return cls(
+                architecture=next(a for a in archs if a in ARCHITECTURES),
+                vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=cfg["num_attention_heads"],
+                q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                rope_scaling=scaling, rope_interleave=cfg.get("rope_interleave", True),
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                attention_bias=cfg.get("attention_bias", False),
+                n_routed_experts=cfg.get("n_routed_experts") or 0,
+                n_shared_experts=cfg.get("n_shared_experts") or 0,
+                num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+                n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+                norm_topk_prob=cfg.get("norm_topk_prob", True),
+                routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+                moe_layer_freq=cfg.get("moe_layer_freq") or 1,
+                num_nextn_predict_layers=mtp or 0,
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                eos_token_ids=_eos(cfg),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace
+                and i % self.moe_layer_freq == 0)
+
+
+# ---- rotary ----------------------------------------------------------------------------
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between."""
+    factor, orig = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+
+
+class MLARotary(RotaryEmbedding):
+    """RoPE on the rope parts of q and k: YaRN frequencies and cos/sin scale, and pairs
+    de-interleaved first when `interleave` (the result is in neox layout, for q and k
+    alike, so their dot products are those of the interleaved rotation)."""
+
+    def __init__(self, dim: int, max_positions: int, theta: float, scaling: dict,
+                 interleave: bool, device):
+        factor = 1.0
+        if scaling["rope_type"] == "yarn":
+            inv_freq = _yarn_inv_freq(dim, theta, scaling)
+            factor = scaling.get("attention_factor")
+            if factor is None:
+                m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+                factor = (yarn_mscale(scaling["factor"], m) / yarn_mscale(scaling["factor"], m_all)
+                          if m and m_all else yarn_mscale(scaling["factor"]))
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.cos_sin = torch.cat([freqs.cos() * factor, freqs.sin() * factor], -1).to(device)
+        self.max_positions, self.fused_ok = max_positions, False
+        self.interleave = interleave
+
+    def __call__(self, positions, q, k):
+        if self.interleave:
+            q = torch.cat([q[..., 0::2], q[..., 1::2]], -1)
+            k = torch.cat([k[..., 0::2], k[..., 1::2]], -1)
+        return super().__call__(positions, q, k)
+
+
+def softmax_scale(cfg: DeepseekV3Config) -> float:
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    s = cfg.rope_scaling
+    if s["rope_type"] != "default" and s.get("mscale_all_dim"):
+        scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+    return scale
+
+
+# ---- attention -------------------------------------------------------------------------
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.kv_lora_rank = heads, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                    cfg.v_head_dim)
+        qk = self.nope_dim + self.rope_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False)
+        self.q_lora = cfg.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + self.rope_dim,
+                                            bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.scale = softmax_scale(cfg)
+        self.latent_cache = None     # [num_slots, r + p], set by the KV pool
+
+    # the KV pool's hooks (engine/kv_cache.py)
+    def cache_bytes_per_token(self) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * self.o_proj.weight.element_size()
+
+    def expanded_bytes_per_token(self) -> int:
+        """What a cache of expanded keys and values would take, for comparison."""
+        per_head = self.nope_dim + self.rope_dim + self.v_dim
+        return self.num_heads * per_head * self.o_proj.weight.element_size()
+
+    def allocate_cache(self, num_slots: int, device):
+        self.latent_cache = torch.zeros(num_slots, self.kv_lora_rank + self.rope_dim,
+                                        dtype=self.o_proj.weight.dtype, device=device)
+
+    def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata):
+        """x [T, H] (normed) -> o_proj(attention) [T, H]; writes this step's latents."""
+        t = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe.squeeze(1)], -1)       # [T, r + p]
+        self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
+        if meta.max_q <= ABSORB_MAX_ROWS:
+            out = self.attend_absorbed(q_nope, q_pe, meta)
+        else:
+            out = self.attend_expanded(q_nope, q_pe, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def _padded(self, rows, meta: AttentionMetadata):
+        """rows [T, heads, D] -> [B, heads, Qmax, D] by request (zeros in padding rows)."""
+        out = rows.new_zeros(meta.kv_slots.shape[0], meta.max_q, *rows.shape[1:])
+        out[meta.token_req, meta.token_idx] = rows
+        return out.transpose(1, 2)
+
+    def _unpadded(self, out, meta: AttentionMetadata):
+        return out.transpose(1, 2)[meta.token_req, meta.token_idx]            # [T, heads, D]
+
+    def _kv_b_heads(self):
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
+
+    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata):
+        """q_nope [T, h, n], q_pe [T, h, p] -> [T, h, v], attending to the latents as one
+        shared key/value head of width r + p (values: the first r)."""
+        w_uk, w_uv = self._kv_b_heads()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        query = self._padded(torch.cat([q_lat, q_pe], -1), meta)     # [B, h, Qmax, r + p]
+        latents = self.latent_cache[meta.kv_slots].unsqueeze(1)      # [B, 1, KV, r + p]
+        out = F.scaled_dot_product_attention(query, latents, latents[..., :self.kv_lora_rank],
+                                             attn_mask=meta.mask, scale=self.scale,
+                                             enable_gqa=True)         # [B, h, Qmax, r]
+        return torch.einsum("thr,hvr->thv", self._unpadded(out, meta), w_uv)
+
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):
+        """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
+        latents = self.latent_cache[meta.kv_slots]                   # [B, KV, r + p]
+        c, k_pe = latents.split([self.kv_lora_rank, self.rope_dim], -1)
+        kv = self.kv_b_proj(c).view(*c.shape[:2], self.num_heads, -1)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], -1)   # [B, KV, h, n / v]
+        keys = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], -1)
+        query = self._padded(torch.cat([q_nope, q_pe], -1), meta)
+        out = F.scaled_dot_product_attention(query, keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=meta.mask,
+                                             scale=self.scale)
+        return self._unpadded(out, meta)
+
+
+# ---- MoE and layers --------------------------------------------------------------------
+class DeepseekRouter(Float32Router):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts),
+                                                    requires_grad=False)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = DeepseekRouter(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = MLP(cfg.hidden_size,
+                                  cfg.moe_intermediate_size * cfg.n_shared_experts) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, x):
+        """x [T, H] -> routed experts + shared experts [T, H]."""
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
+        weights, ids = deepseek_route(logits, self.gate.e_score_correction_bias.float(),
+                                      c.num_experts_per_tok, c.n_group, c.topk_group,
+                                      c.norm_topk_prob, c.routed_scaling_factor)
+        out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, positions, rotary, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(PagedCausalLM):
+    config_class = DeepseekV3Config
+
+    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
+        super().__init__()      # ops: always the portable path here (supports_triton False)
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def setup_rotary(self, max_positions: int, device):
+        self.rotary = self.make_rotary(max_positions, device)
+
+    def make_rotary(self, max_positions: int, device) -> MLARotary:
+        c = self.config
+        return MLARotary(c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling,
+                         c.rope_interleave, device)
+
+    def make_decoder_layer(self, layer_idx: int) -> DeepseekDecoderLayer:
+        """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
+        return DeepseekDecoderLayer(self.config, layer_idx)
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= self.config.num_hidden_layers:
+            return None          # MTP layers: read by the MTP drafter, not the target
+        return super().checkpoint_rename(name)

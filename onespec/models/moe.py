@@ -1,0 +1,130 @@
+"""Mixture-of-experts pieces shared by the MoE targets, and the decoder shell around them.
+
+Routing (pure functions, one per family):
+
+    DeepSeek-V3   s = sigmoid(x W_r^T); choose with s + bias, within the top `topk_group`
+                  of `n_group` groups (a group scores the sum of its best two); weights =
+                  s of the chosen, / their sum if norm_topk_prob, * routed_scaling_factor
+    Qwen3-MoE     p = softmax(x W_r^T); the top-k of p, / their sum if norm_topk_prob
+
+Experts are stacked as Hugging Face 5.x stores them: gate_up_proj [E, 2I, H] (gate rows
+first) and down_proj [E, H, I]; models/loader.py maps per-expert checkpoint keys
+(`experts.{e}.gate_proj.weight`, ...) onto them. Few (token, expert) pairs gather their
+experts' weights (no host sync, only the routed experts are read); more loop over the
+experts the batch routes to (the portable path).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onespec.layers.attention import AttentionMetadata
+
+GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
+
+
+def deepseek_route(logits: torch.Tensor,        # [T, E] float32 router logits
+                   bias: torch.Tensor,          # [E] e_score_correction_bias
+                   top_k: int, num_groups: int, topk_groups: int, norm_topk_prob: bool,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] x2
+    """DeepSeek-V3 group-limited sigmoid routing -> (weights float32, expert ids)."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    tokens, experts = choice.shape
+    group_scores = choice.view(tokens, num_groups, -1).topk(min(2, experts // num_groups),
+                                                           dim=-1).values.sum(-1)  # [T, G]
+    groups = group_scores.topk(topk_groups, dim=-1).indices                        # [T, g]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    expert_mask = group_mask.repeat_interleave(experts // num_groups, dim=1)       # [T, E]
+    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def softmax_route(logits: torch.Tensor,         # [T, E] router logits
+                  top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE softmax top-k routing -> (weights in the logits' dtype, expert ids)."""
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x, ids, weights):
+        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
+        if ids.numel() <= GATHER_MAX_PAIRS:
+            return self._gathered(x, ids, weights)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    def _gathered(self, x, ids, weights):
+        gate_up = torch.matmul(self.gate_up_proj[ids], x[:, None, :, None]).squeeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)                                 # [T, k, I]
+        y = torch.matmul(self.down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)               # [T, H]
+
+
+class Float32Router(nn.Module):
+    """Router weights that stay float32 whatever dtype the model is cast to (checkpoints
+    ship them so; routing decisions are sensitive to rounding)."""
+
+    def _apply(self, fn, recurse=True):
+        def keep_float32(t):
+            out = fn(t)
+            if t.is_floating_point() and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+        return super()._apply(keep_float32, recurse)
+
+
+class PagedCausalLM(nn.Module):
+    """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
+    capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
+    over self.model.{embed_tokens, layers, norm} and self.lm_head. Subclasses build those
+    and the rotary table (setup_rotary). The portable path only: no Triton kernels."""
+
+    supports_triton = False
+
+    def __init__(self):
+        super().__init__()
+        self.rotary = None
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                capture: tuple[int, ...] = ()):
+        h = self.model.embed_tokens(input_ids)
+        saved = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, positions, self.rotary, meta)
+            if i in capture:
+                saved[i] = h
+        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
+        return self.model.norm(h), captured
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden).float()                                 # [N, V]
+
+    def greedy_tokens(self, hidden):
+        return self.compute_logits(hidden).argmax(-1)                       # [N]
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        """Checkpoint key -> parameter name (None: skip it)."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name

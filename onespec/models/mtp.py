@@ -1,0 +1,108 @@
+"""DeepSeek-style multi-token-prediction (MTP) layers, read from the target's checkpoint.
+
+Layer i lives under `model.layers.{num_hidden_layers + i}.` (transformers drops these keys):
+
+    x   = eh_proj(concat(enorm(embed(token)), hnorm(h)))       # embedding first, 2H -> H
+    out = shared_head.norm(block(x))                            # block: a full decoder layer
+    logits = shared_head.head(out)                              # the target's lm_head if absent
+
+`embed_tokens` and `shared_head.head` are optional (the target's are used without them).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from onespec.layers.norm import RMSNorm
+from onespec.models.loader import init_dummy_weights, iter_weights, load_weights
+
+OWN_MODULES = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, own_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.head = nn.Linear(hidden_size, vocab_size, bias=False) if own_head else None
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float,
+                 own_embed: bool = False, own_head: bool = False):
+        super().__init__()
+        self.enorm = RMSNorm(hidden_size, eps)
+        self.hnorm = RMSNorm(hidden_size, eps)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.shared_head = SharedHead(hidden_size, vocab_size, eps, own_head)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size) if own_embed else None
+        self.block = block
+
+    def forward(self, embeds, hidden, positions, rotary, meta):
+        """embeds [T, H] (token embeddings), hidden [T, H] -> shared_head.norm(block) [T, H]."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
+        return self.shared_head.norm(self.block(x, positions, rotary, meta))
+
+
+class MTPHead(nn.Module):
+    """The MTP layers a drafter uses, with their rotary table (the target's kind)."""
+
+    def __init__(self, layers: list[MTPLayer], target):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.make_rotary = target.make_rotary
+        self.rotary = None
+
+    def setup_rotary(self, max_positions: int, device):
+        self.rotary = self.make_rotary(max_positions, device)
+
+
+def _mtp_rename(num_target_layers: int, num_layers: int):
+    """'model.layers.{L + i}.X' -> 'layers.{i}.X' (MTP modules) or 'layers.{i}.block.X'."""
+    pattern = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def rename(name: str) -> str | None:
+        m = pattern.fullmatch(name)
+        i = int(m.group(1)) - num_target_layers if m else -1
+        if not 0 <= i < num_layers:
+            return None
+        rest = m.group(2)
+        inner = "" if rest.split(".")[0] in OWN_MODULES else "block."
+        return f"layers.{i}.{inner}{rest}"
+    return rename
+
+
+def load_mtp_head(path: str, target, num_layers: int, device, dtype,
+                  dummy: bool = False) -> MTPHead:
+    """MTP layers 0..num_layers-1 of the checkpoint at `path`, for `target` (a model with
+    make_decoder_layer and make_rotary, e.g. DeepseekV3ForCausalLM)."""
+    cfg = target.config
+    if not hasattr(target, "make_decoder_layer"):
+        raise ValueError(f"MTP drafting needs a target with MTP layers (DeepSeek-V3 family); "
+                         f"{cfg.architecture} has none")
+    available = cfg.num_nextn_predict_layers
+    if num_layers > available:
+        raise ValueError(f"the checkpoint has num_nextn_predict_layers={available} MTP layers; "
+                         f"{num_layers} were asked for (MTP-Eagle needs 1, vanilla MTP one "
+                         "per draft)")
+    rename = _mtp_rename(cfg.num_hidden_layers, num_layers)
+    weights = {} if dummy else {n: t for raw, t in iter_weights(path, "loading MTP layers")
+                                if (n := rename(raw)) is not None}
+    if not dummy and not weights:
+        raise ValueError(f"checkpoint {path!r} holds no weights under model.layers."
+                         f"{cfg.num_hidden_layers}.* although its config.json declares "
+                         f"{available} MTP layers")
+    with torch.device("meta"):
+        layers = [MTPLayer(target.make_decoder_layer(cfg.num_hidden_layers + i),
+                           cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps,
+                           own_embed=f"layers.{i}.embed_tokens.weight" in weights,
+                           own_head=f"layers.{i}.shared_head.head.weight" in weights)
+                  for i in range(num_layers)]
+        head = MTPHead(layers, target)
+    head.to_empty(device=device if dummy else "cpu")
+    if dummy:
+        init_dummy_weights(head, seed=1)
+    else:
+        load_weights(head, weights.items(), what=f"MTP layers of {path!r}")
+    return head.to(device=device, dtype=dtype).eval()

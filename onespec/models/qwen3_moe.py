@@ -1,0 +1,106 @@
+"""Qwen3-MoE: Qwen3's attention (q/k norm, GQA) with softmax top-k routed experts.
+
+Layer i is sparse when it is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step
+== 0; other layers keep a dense MLP of `intermediate_size`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch.nn.functional as F
+from torch import nn
+
+from onespec.layers.norm import RMSNorm
+from onespec.layers.ops import TORCH_OPS, TorchOps
+from onespec.layers.rotary import RotaryEmbedding
+from onespec.models.llama import MLP, Attention, DecoderConfig
+from onespec.models.moe import Experts, PagedCausalLM, softmax_route
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+@dataclass
+class Qwen3MoeConfig(DecoderConfig):
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3MoeConfig":
+        archs = cfg.get("architectures") or []
+        if not any(a in ARCHITECTURES for a in archs):
+            raise ValueError(f"not a Qwen3-MoE config: architectures {archs!r}")
+        base = DecoderConfig.from_hf({**cfg, "architectures": ["Qwen3ForCausalLM"]})
+        try:
+            return cls(**{f.name: getattr(base, f.name) for f in fields(DecoderConfig)},
+                       moe_intermediate_size=cfg["moe_intermediate_size"],
+                       # transformers 5.x writes num_local_experts, 4.x num_experts
+                       num_experts=cfg.get("num_local_experts") or cfg["num_experts"],
+                       num_experts_per_tok=cfg["num_experts_per_tok"],
+                       norm_topk_prob=cfg.get("norm_topk_prob", False),
+                       decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                       mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x):
+        """x [T, H] -> [T, H]."""
+        weights, ids = softmax_route(F.linear(x, self.gate.weight), self.top_k,
+                                     self.norm_topk_prob)
+        return self.experts(x, ids, weights)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, h, positions, rotary, meta):
+        attn = self.self_attn
+        h = h + attn.o_proj(attn(self.input_layernorm(h), positions, rotary, meta))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(PagedCausalLM):
+    config_class = Qwen3MoeConfig
+
+    def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
+        super().__init__()      # ops: always the portable path here (supports_triton False)
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def setup_rotary(self, max_positions: int, device):
+        c = self.config
+        self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling,
+                                      device)

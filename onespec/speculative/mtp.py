@@ -1,0 +1,60 @@
+"""MTP drafting (SPEC.md §6) behind the drafter interface of spec/drafters.py.
+
+MTP-Eagle (default): the first MTP layer applied K times. Step 0 reads the target's final
+post-norm hidden state of every row; each step's output (shared_head.norm of the block) is
+both the next step's hidden input and what the logits are computed from.
+
+Vanilla: draft step j runs MTP layer j (K <= the checkpoint's MTP layers). Layer 0 writes
+its KV for every row at step 0, as in MTP-Eagle; layer j >= 1 runs only at step j, on one
+row per request, so its KV layer holds the rows it drafted from in earlier steps (other
+positions are not written: its drafts are weaker than a layer fed every position, and
+verification keeps the output lossless either way).
+"""
+from __future__ import annotations
+
+import torch
+
+from onespec.models.mtp import MTPHead
+
+
+class MTPDrafter:
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, head: MTPHead, target, vanilla: bool = False):
+        self.head, self.target, self.vanilla = head, target, vanilla
+        self.dtype = head.layers[0].eh_proj.weight.dtype
+        self._layer = head.layers[0]        # the layer of the latest forward (its head)
+
+    @property
+    def attention_layers(self):
+        return [layer.block.self_attn for layer in self.head.layers]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def initial_hidden(self, captured, final_hidden):
+        return final_hidden.to(self.dtype)                                  # [T, H]
+
+    def forward(self, input_ids, positions, hidden, meta, step: int = 0):
+        layer = self.head.layers[step if self.vanilla else 0]
+        self._layer = layer
+        embed = layer.embed_tokens if layer.embed_tokens is not None \
+            else self.target.model.embed_tokens
+        return layer(embed(input_ids).to(self.dtype), hidden, positions, self.head.rotary,
+                     meta)                                                  # [T, H]
+
+    def compute_logits(self, hidden):
+        head = self._layer.shared_head.head
+        head = self.target.lm_head if head is None else head
+        return head(hidden.to(head.weight.dtype)).float()                   # [N, V]
+
+    def greedy_target_ids(self, hidden):
+        return self.compute_logits(hidden).argmax(-1)                       # [N]
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def draft_vocab_target_ids(self) -> torch.Tensor:
+        return torch.arange(self.draft_vocab_size,
+                            device=self.head.layers[0].eh_proj.weight.device)  # [V]

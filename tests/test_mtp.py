@@ -110,9 +110,9 @@ def test_mtp_layers_come_from_the_checkpoint(target):
     llm = mtp_llm(path, 2, vanilla=True)
     layers = llm.engine.drafter.head.layers
     for layer, ref in zip(layers, refs):
-        torch.testing.assert_close(layer.eh_proj.weight, ref.eh_proj.weight)
-        torch.testing.assert_close(layer.embed_tokens.weight, ref.embed.weight)
-        torch.testing.assert_close(layer.block.mlp.experts.gate_up_proj[3, :32],
+        torch.testing.assert_close(layer.eh_proj.weight.cpu(), ref.eh_proj.weight)
+        torch.testing.assert_close(layer.embed_tokens.weight.cpu(), ref.embed.weight)
+        torch.testing.assert_close(layer.block.mlp.experts.gate_up_proj[3, :32].cpu(),
                                    ref.block.mlp.experts.gate_up_proj[3, :32])
     # the MTP layers' latents are extra layers of the one pool
     assert all(a.latent_cache is not None for a in llm.engine.drafter.attention_layers)

@@ -42,6 +42,19 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):
+        """An unknown --option is reported as such before argparse parses, which could
+        otherwise take its value for a positional and complain about that instead."""
+        args = sys.argv[1:] if args is None else list(args)
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=")[0]
+            if name.startswith("--") and not any(o.startswith(name)
+                                                 for o in self._option_string_actions):
+                self.error(f"unrecognized arguments: {arg}")
+        return super().parse_args(args, namespace)
+
     def error(self, message):
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
@@ -215,7 +228,8 @@ def main(argv=None) -> int:
         module, function = COMMANDS[argv[0]][0].split(":")
         return getattr(importlib.import_module(module), function)(argv[1:])
     if argv and not argv[0].startswith("-"):
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        close = [c for c in COMMANDS if c.startswith(argv[0])] or \
+            difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         parser.error(f"unknown command {argv[0]!r}{hint}; commands: {', '.join(COMMANDS)}")
     parser.parse_args(argv)           # --help, or no command: prints and exits

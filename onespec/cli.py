@@ -20,6 +20,8 @@ COMMANDS = {
     "train": ("onespec.train.cli:main", "train an EAGLE-3 draft head for a target model"),
 }
 DEFAULT_K = 3
+# dependencies a command imports only when it runs (the server's)
+LATE_IMPORTS = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -226,7 +228,15 @@ def main(argv=None) -> int:
     parser = top_parser()
     if argv and argv[0] in COMMANDS:
         module, function = COMMANDS[argv[0]][0].split(":")
-        return getattr(importlib.import_module(module), function)(argv[1:])
+        try:
+            return getattr(importlib.import_module(module), function)(argv[1:])
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in LATE_IMPORTS:
+                raise
+            print(f"onespec {argv[0]}: error: it needs {e.name!r}, which is not installed; "
+                  "install onespec's dependencies again: pip install -e . (from a checkout) "
+                  "or pip install onespec", file=sys.stderr)
+            return 2
     if argv and not argv[0].startswith("-"):
         close = [c for c in COMMANDS if c.startswith(argv[0])] or \
             difflib.get_close_matches(argv[0], list(COMMANDS), n=1)

@@ -6,9 +6,6 @@ import os
 import sys
 
 
-SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from onespec.cli import Parser, _add_engine_args
     p = Parser(prog="onespec serve",
@@ -59,18 +56,10 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
         return 2
-    try:
-        import uvicorn
+    import uvicorn                  # a missing server module: one line from onespec.cli
 
-        from onespec.cli import build_llm
-        from onespec.serve.app import create_app
-    except ModuleNotFoundError as e:
-        if e.name not in SERVER_MODULES:
-            raise
-        print(f"onespec serve: error: the server needs {e.name!r}, which is not installed; "
-              "install onespec's dependencies again: pip install -e . (from a checkout) or "
-              "pip install onespec", file=sys.stderr)
-        return 2
+    from onespec.cli import build_llm
+    from onespec.serve.app import create_app
     try:
         template = read_chat_template(args.chat_template) if args.chat_template else None
         llm = build_llm(args)

@@ -29,10 +29,12 @@ UNRELIABLE_SPREAD = 0.2          # (max - min) / median of the per-round speedup
 
 
 def stream(llm, prompts, sp):
-    """Decodes prompts one at a time, printing each prompt (dimmed) and its completion."""
+    """Decodes prompts one at a time, printing each prompt (dimmed on a terminal) and its
+    completion."""
     from onespec.cli import stream_request
+    dim, plain = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
     for prompt in prompts:
-        print(f"\033[2m{prompt}\033[0m", end="")
+        print(f"{dim}{prompt}{plain}", end="")
         stream_request(llm, prompt, sp)
 
 

@@ -136,3 +136,12 @@ def test_hub_id_loads_from_the_local_cache(tiny_models, tmp_path):
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert [int(t) for t in proc.stdout.split()] == hf_greedy(hf, [1, 2, 3], 6)
+
+
+def test_prompt_over_the_limit_is_one_error_line():
+    from onespec.demo import TARGET_DIR
+    proc = run_cli("generate", "--model", TARGET_DIR, "--device", "cpu",
+                   "--prompt", "x = 1\n" * 1000)           # past the tokenizer's 2048 too
+    assert proc.returncode == 2
+    assert re.fullmatch(r"onespec generate: error: prompt has \d+ tokens; max_model_len is "
+                        r"2048, so it must be at most 2047\n", proc.stderr), proc.stderr

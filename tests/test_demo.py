@@ -42,6 +42,7 @@ def test_demo_smoke_runs():
                      r"speculative decoding: +[\d.]+ tok/s\n"
                      r"speedup: [\d.]+x \(median of 3 rounds; spread [\d.]+x-[\d.]+x\)\n",
                      proc.stdout), proc.stdout
+    assert "\033[" not in proc.stdout                    # no terminal codes in a pipe
     assert os.path.isdir(DEMO_DIR)
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -316,9 +319,6 @@ def test_train_with_regenerate_caches_the_data(target_dir, tmp_path, monkeypatch
 
 
 def test_cli_small_run_explains_its_length_and_writes_no_state(target_dir, tmp_path):
-    import os
-    import subprocess
-    import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (tmp_path / "data.jsonl").write_text(
         "".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"

@@ -51,9 +51,9 @@ class Parser(argparse.ArgumentParser):
         for arg in args:
             if arg == "--":
                 break
-            name = arg.split("=")[0]
-            if name.startswith("--") and not any(o.startswith(name)
-                                                 for o in self._option_string_actions):
+            name = arg.split("=")[0]          # with a space it is a value, as for argparse
+            if name.startswith("--") and " " not in name and not any(
+                    o.startswith(name) for o in self._option_string_actions):
                 self.error(f"unrecognized arguments: {arg}")
         return super().parse_args(args, namespace)
 

@@ -108,6 +108,12 @@ def test_usage_errors_name_the_command_and_the_fix(argv, usage, message, capsys)
     assert err.splitlines()[-1].startswith(f"{usage}: error: ") and message in err, err
 
 
+def test_a_prompt_may_start_with_dashes():
+    from onespec.cli import generate_parser
+    args = generate_parser().parse_args(["--model", "M", "--prompt", "-- a SQL comment"])
+    assert args.prompt == "-- a SQL comment"
+
+
 def test_missing_draft_and_uncached_hub_id(tiny_models, capsys):
     from onespec.cli import main
     path, _ = tiny_models["llama"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Decode benchmark: the same code as `onespec bench decode` (see --help and DESIGN.md
-"Benchmarks"). Runs from a checkout without installing onespec.
+"""Decode benchmark: the same code as `onespec bench decode` (see --help). Runs from a
+checkout without installing onespec.
 
     python bench/decode.py                                   # Llama-3.1-8B shape on the GPU
     python bench/decode.py --shape tiny --device cpu --no-hf --gen-len 8

@@ -1,6 +1,6 @@
 """`onespec bench [decode]`: decode-phase throughput of a random-weight target, plain and with
 a one-model EAGLE-3 head at forced acceptance lengths, against a memory-bandwidth floor and
-Hugging Face transformers `generate`, all in one run (DESIGN.md "Benchmarks").
+Hugging Face transformers `generate`, all in one run.
 
 One JSON object per measured configuration goes to stdout; progress and a per-config
 breakdown go to stderr. speedup (both places) = tok/s with the head / plain tok/s at the
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+
+from onespec.engine.kv_cache import slots_per_step
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -209,7 +211,7 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
     from onespec import LLM, Eagle3Config
     max_model_len = args.prompt_len + max_tokens + 2 * k_max + 2
     block_size = 16
-    blocks_per_seq = -(-(max_model_len + max(k_max + 1, 2 * k_max)) // block_size)
+    blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
     batch = max(args.batch_sizes)
     spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0) \
         if k_max else None

@@ -37,6 +37,8 @@ class EngineConfig:
     cuda_graphs: bool = True           # graph the generation step (CUDA + triton only)
     # launch graph step n+1 before reading step n's results (engine.Engine.step)
     overlap_scheduler: bool = True
+    # the Triton kernels with programmatic dependent launch where the GPU has it (Hopper+)
+    programmatic_launch: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -52,7 +54,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
                              f"got {self.attention_backend!r}")
-        for name in ("cuda_graphs", "overlap_scheduler"):
+        for name in ("cuda_graphs", "overlap_scheduler", "programmatic_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
@@ -62,7 +64,7 @@ class EngineConfig:
 
 @dataclass
 class Eagle3Config:
-    """One-model EAGLE-3 drafting (SPEC.md §3, §5, §7)."""
+    """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
     draft_model: str
     max_draft_len: int = 3
     layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default

@@ -4,14 +4,14 @@
     python scripts/bench_attention.py --verify 32:6,64:6,8:6 --contexts 340
 
 One decode row (32 q heads, 8 kv heads, D = 128, bf16) over a paged context: each figure is
-one call's time in a CUDA graph of 32 calls on 32 layers' caches (scripts/sweep_small_linear
-.py's attention_call), with the default tiling for a single program per (row, kv head)
-(splits 1, what launches of more than 16 rows use) and for the split launch that decode
-uses. One JSON line per (context, splits), with the KV bytes read per GB/s.
+one call's time in a CUDA graph of 32 calls on 32 layers' caches, with the default tiling
+for a single program per (row, kv head) (splits 1, what launches of more than 16 rows use)
+and for the split launch that decode uses. One JSON line per (context, splits), with the
+KV bytes read per GB/s.
 
 --verify BATCH:ROWS,...: instead, verify launches of BATCH requests of ROWS rows each
 (K + 1) after `context` positions, with a request's rows packed into tiles of at most 16
-and of at most ta.PACK_TILE_ROWS (row, query head) rows; `equal` says whether the two
+and of at most PACK_TILE_ROWS (row, query head) rows; `equal` says whether the two
 give the same bits.
 """
 from __future__ import annotations
@@ -25,14 +25,41 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_small_linear import attention_call, graph_time_us  # noqa: E402
+from timing import graph_us  # noqa: E402
 
-from onespec.layers import triton_attention as ta  # noqa: E402
+from onespec.kernels import attention as ta  # noqa: E402
+from onespec.kernels.launch import pdl_supported  # noqa: E402
+
+
+def graph_time_us(fn, calls: int, reps: int = 20) -> float:
+    """One call's microseconds in a CUDA graph of fn's `calls` calls (one timed round)."""
+    return graph_us(fn, per=calls, reps=reps, trials=1)
+
+
+def attention_call(context: int, splits: int, layers: int = 32):
+    """One decode row's attention after `context` positions on `layers` layers' caches."""
+    bs, heads, kv_heads, d = 16, 32, 8, 128
+    blocks = -(-context // bs) + 1
+    dt = torch.bfloat16
+    caches = [(torch.randn(blocks * bs, kv_heads, d, device="cuda", dtype=dt),
+               torch.randn(blocks * bs, kv_heads, d, device="cuda", dtype=dt))
+              for _ in range(layers)]
+    q = torch.randn(1, heads, d, device="cuda", dtype=dt)
+    table = torch.randperm(blocks, device="cuda")[None, :]
+    req = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pos = torch.tensor([context - 1], device="cuda")
+
+    def run():
+        return [ta.paged_attention(q, kc, vc, table, req, pos, d ** -0.5, bs, splits=splits,
+                                   pdl=pdl_supported(q.device))
+                for kc, vc in caches]
+    kv_bytes = 2 * context * kv_heads * d * 2
+    return run, kv_bytes, layers
 
 
 def verify_call(batch: int, rows: int, context: int, layers: int = 32):
     """Attention of a verify step: `batch` requests of `rows` rows at positions context..,
-    on `layers` layers' caches (8B shape, bf16, 16-slot blocks)."""
+    on `layers` layers' caches (8B shape, bf16, 16-slot blocks); run(pack_tile_rows)."""
     bs, heads, kv_heads, d = 16, 32, 8, 128
     per = -(-(context + rows) // bs)
     dt = torch.bfloat16
@@ -44,9 +71,11 @@ def verify_call(batch: int, rows: int, context: int, layers: int = 32):
     req = torch.arange(batch, device="cuda").repeat_interleave(rows)
     pos = (context + torch.arange(rows, device="cuda")).repeat(batch)
 
-    def run():
-        return [ta.triton_paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs,
-                                          rows_per_request=rows) for kc, vc in caches]
+    def run(pack_tile_rows: int):
+        return [ta.paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs,
+                                   rows_per_request=rows, pack_tile_rows=pack_tile_rows,
+                                   pdl=pdl_supported(q.device))
+                for kc, vc in caches]
     kv_bytes = batch * 2 * (context + rows) * kv_heads * d * 2
     return run, kv_bytes, layers
 
@@ -57,13 +86,11 @@ def verify_rows(spec: str, context: int):
     run, kv_bytes, layers = verify_call(batch, rows, context)
     outs = {}
     for tile in sorted({16, default}):
-        ta.PACK_TILE_ROWS = tile
-        outs[tile] = run()[0]
-        us = graph_time_us(run, layers)
+        outs[tile] = run(tile)[0]
+        us = graph_time_us(functools.partial(run, tile), layers)
         print(json.dumps({"batch": batch, "rows": rows, "context": context,
                           "pack_tile_rows": tile, "us": round(us, 2),
                           "kv_gbs": round(kv_bytes / us / 1e3, 1)}), flush=True)
-    ta.PACK_TILE_ROWS = default
     print(json.dumps({"batch": batch, "rows": rows, "context": context,
                       "equal": torch.equal(outs[16], outs[default]),
                       "max_abs_diff": (outs[16].float() - outs[default].float()).abs().max()
@@ -83,15 +110,12 @@ def main():
             for spec in args.verify.split(","):
                 verify_rows(spec, context)
         return
-    default = ta.SPLITS
     for context in (int(c) for c in args.contexts.split(",")):
-        run, kv_bytes, layers = attention_call(context)
         for splits in (int(s) for s in args.splits.split(",")):
-            ta.SPLITS = splits
-            us = graph_time_us(functools.partial(run, None), layers)
+            run, kv_bytes, layers = attention_call(context, splits)
+            us = graph_time_us(run, layers)
             print(json.dumps({"context": context, "splits": splits, "us": round(us, 2),
                               "kv_gbs": round(kv_bytes / us / 1e3, 1)}), flush=True)
-        ta.SPLITS = default
 
 
 if __name__ == "__main__":

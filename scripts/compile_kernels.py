@@ -24,11 +24,8 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    if "TRACING" in fn.arg_names:       # the profiling stamps off, as the engine runs
-        constexprs = {"TRACING": False, **constexprs}
-        types = {"TR": "*i64", **types}
-    if "REL" in fn.arg_names:           # the successor released after the stream
-        constexprs = {"REL": 0, **constexprs}
+    if "EARLY" in fn.arg_names:         # the successor released after the stream
+        constexprs = {"EARLY": False, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # as the launcher specialises them: pointers and integer arguments 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -47,99 +44,86 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
 
 
 def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
-    from onespec.layers import triton_attention as ta
-    from onespec.layers import triton_linear as tl_
-    from onespec.layers import triton_mlp as tm
+    from onespec.kernels import attention as ta
+    from onespec.kernels import gemv as gv
+    from onespec.kernels import rope_kv as rk
+    from onespec.kernels import rows as rw
     pdl = arch >= 90
     ptrs = {n: "*bf16" for n in ("X", "W", "BIAS", "RES", "Y", "NW_OUT", "XN_OUT")}
     ptrs.update(SS_IN="*fp32", SS_OUT="*fp32", ARG_VAL="*fp32", ARG_IDX="*i32", eps="fp32")
     linear = dict(BLOCK_P=1, HAS_BIAS=False, GATED=False, RESIDUAL=False, PRENORMED=False,
                   NORM_OUT=False, ARGMAX=False, IEEE=False, PDL=pdl, PRE=1, ROWS=16)
-    gated_cfg, plain_cfg = tl_._config(1, 1, True), tl_._config(1, 1, False)
-    yield ("small_linear plain", tl_._small_linear_kernel, ptrs,
+    gated_cfg, plain_cfg = gv.default_tiling(1, 1, True), gv.default_tiling(1, 1, False)
+    yield ("gemv plain", gv._gemv_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
-    yield ("small_linear residual+norm_out", tl_._small_linear_kernel, ptrs,
+    yield ("gemv prenorm", gv._gemv_kernel, ptrs,
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "RESIDUAL": True,
             "NORM_OUT": True}, plain_cfg[2:])
-    deep_cfg = tl_._config(1, 1, False, True)
-    yield ("small_linear residual+norm_out, square (o_proj) on sm_90", tl_._small_linear_kernel,
+    deep_cfg = gv.default_tiling(1, 1, False, True)
+    yield ("gemv prenorm, square (o_proj) on sm_90", gv._gemv_kernel,
            ptrs, {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
                   "NORM_OUT": True}, deep_cfg[2:])
     # batch 32's decode step: 32-row tiles, the pipeline shortened to keep programs per SM
-    stages32 = tl_._stages_for_rows(deep_cfg[0], deep_cfg[1], deep_cfg[3], 32, 2, 2, SMEM_LIMIT)
-    yield ("small_linear residual+norm_out, square (o_proj), 32-row tile",
-           tl_._small_linear_kernel, ptrs,
+    stages32 = gv.stages_for_rows(deep_cfg[0], deep_cfg[1], deep_cfg[3], 32, 2, 2, SMEM_LIMIT)
+    yield ("gemv prenorm, square (o_proj), 32-row tile",
+           gv._gemv_kernel, ptrs,
            {**linear, "BLOCK_N": deep_cfg[0], "BLOCK_K": deep_cfg[1], "RESIDUAL": True,
             "NORM_OUT": True, "ROWS": 32}, (deep_cfg[2], stages32))
-    down_cfg = tl_._config(4096, 14336, False, True)     # the 8B shape's, on sm_90
-    yield ("small_linear residual+norm_out, early release (down before qkv)",
-           tl_._small_linear_kernel, ptrs,
+    down_cfg = gv.default_tiling(4096, 14336, False, True)     # the 8B shape's, on sm_90
+    yield ("gemv prenorm, early release (down before qkv)",
+           gv._gemv_kernel, ptrs,
            {**linear, "BLOCK_N": down_cfg[0], "BLOCK_K": down_cfg[1], "RESIDUAL": True,
-            "NORM_OUT": True, "REL": -1}, down_cfg[2:])
-    yield ("small_linear prenormed+gated+bias", tl_._small_linear_kernel, ptrs,
+            "NORM_OUT": True, "EARLY": True}, down_cfg[2:])
+    yield ("gemv prenormed+gated+bias", gv._gemv_kernel, ptrs,
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
-    yield ("small_linear fp32 logits", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
+    yield ("gemv fp32 logits", gv._gemv_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
-    vocab_cfg = tl_._config(128256, 4096, False, True)   # a vocabulary-sized lm_head
-    yield ("small_linear greedy argmax", tl_._small_linear_kernel, {**ptrs, "Y": "*fp32"},
+    vocab_cfg = gv.default_tiling(128256, 4096, False, True)   # a vocabulary-sized lm_head
+    yield ("gemv argmax", gv._gemv_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": vocab_cfg[0], "BLOCK_K": vocab_cfg[1], "ARGMAX": True},
            vocab_cfg[2:])
     for cfg in extra_linear:       # (BLOCK_N, BLOCK_K, warps, stages, PRE, gated)
         bn, bk, warps, stages, pre, gated = cfg
-        yield (f"small_linear {bn}:{bk}:{warps}:{stages}:{pre}{' gated' if gated else ''}",
-               tl_._small_linear_kernel, ptrs,
+        yield (f"gemv {bn}:{bk}:{warps}:{stages}:{pre}{' gated' if gated else ''}",
+               gv._gemv_kernel, ptrs,
                {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
                 "RESIDUAL": not gated}, (warps, stages))
-    qkv_cfg = tl_._config(6144, 4096, False)
+    qkv_cfg = gv.default_tiling(6144, 4096, False)
     qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "BLOCK_TABLES": "*i64",
                  "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
     qkv = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
-           "PRENORMED": True, "IEEE": False, "PDL": pdl, "REL": -1, "ROWS": 16}
-    yield ("qkv + rotary + KV write (prenormed)", tl_._qkv_rope_kernel, qkv_types, qkv,
+           "PRENORMED": True, "IEEE": False, "PDL": pdl, "ROWS": 16}
+    yield ("qkv + rotary + KV write (prenormed)", rk._qkv_rope_kernel, qkv_types, qkv,
            qkv_cfg[2:])
-    stages32 = tl_._stages_for_rows(qkv_cfg[0], qkv_cfg[1], qkv_cfg[3], 32, 2, 2, SMEM_LIMIT)
-    yield ("qkv + rotary + KV write (prenormed), 32-row tile", tl_._qkv_rope_kernel,
+    stages32 = gv.stages_for_rows(qkv_cfg[0], qkv_cfg[1], qkv_cfg[3], 32, 2, 2, SMEM_LIMIT)
+    yield ("qkv + rotary + KV write (prenormed), 32-row tile", rk._qkv_rope_kernel,
            qkv_types, {**qkv, "ROWS": 32}, (qkv_cfg[2], stages32))
-    if pdl:                         # the persistent MLP runs on Hopper only
-        cfg = tm.CONFIG
-        yield ("fused MLP, 8B shape (gate_up + down, next norm)",
-               tm._mlp_kernel, {**ptrs, "WGU": "*bf16", "WD": "*bf16", "ACT": "*bf16",
-                                "SYNC": "*i32"},
-               {"H": 4096, "I": 14336, "G": 132, "BANDS": tm.num_bands(14336),
-                "FLAT_B": cfg["flat"], "BA": cfg["ba"], "RR": True, "WAITS": True,
-                "BB": tm.BB, "BLOCK_K": tm.BLOCK_K, "BLOCK_P": 128,
-                "STAGES_A": cfg["stages_a"], "STAGES_B": cfg["stages_b"], "NORM_OUT": True,
-                "PDL": pdl, "EARLY": cfg["early"]}, (4, 1))
-    yield ("small_linear plain, stamped (profiling)", tl_._small_linear_kernel,
-           {**ptrs, "TR": "*i64"},
-           {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1], "TRACING": True},
-           plain_cfg[2:])
-    yield ("argmax reduce", tl_._argmax_reduce_kernel,
+    yield ("argmax reduce", gv._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
            (4, 1))
-    yield ("small_linear float32 (tests)", tl_._small_linear_kernel,
+    yield ("gemv float32 (tests)", gv._gemv_kernel,
            {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
             "IEEE": True}, gated_cfg[2:])
-    yield ("rms_norm", tl_._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
+    yield ("rms_norm", rw._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16",
                                               "eps": "fp32"},
            {"BLOCK": 4096, "PDL": pdl}, (8, 3))
     yield ("residual add + rms_norm (rows beyond the decode kernels)",
-           tl_._add_rms_norm_kernel, {n: "*bf16" for n in ("Y", "RES", "W", "H", "XN")} |
+           rw._add_rms_norm_kernel, {n: "*bf16" for n in ("Y", "RES", "W", "H", "XN")} |
            {"eps": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
-    yield ("silu * up (rows beyond the decode kernels)", tl_._silu_mul_kernel,
+    yield ("silu * up (rows beyond the decode kernels)", rw._silu_mul_kernel,
            {"Y": "*bf16", "OUT": "*bf16"}, {"BLOCK": 2048, "PDL": pdl}, (4, 3))
-    yield ("embed + norms (EAGLE-3 input)", tl_._embed_norm_concat_kernel,
+    yield ("embed + norms (EAGLE-3 input)", rw._embed_norm_concat_kernel,
            {"IDS": "*i64", "TABLE": "*bf16", "HID": "*bf16", "W_E": "*bf16", "W_H": "*bf16",
             "Y": "*bf16", "eps_e": "fp32", "eps_h": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
     rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
                                  "V_CACHE")}
     rope.update(COS_SIN="*fp32", POSITIONS="*i64", BLOCK_TABLES="*i64", TOKEN_REQ="*i64",
                 eps="fp32")
-    yield ("rope_and_cache qk-norm", tl_._rope_cache_kernel, rope,
+    yield ("rope_and_cache qk-norm", rk._rope_cache_kernel, rope,
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
             "QK_NORM": True, "PDL": pdl},
            (1, 3))
@@ -147,8 +131,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "IDLE_EXIT": ta.IDLE_EXIT,
-            "MERGE_UNROLLED": ta.MERGE_UNROLLED, "MERGE_ROWS": 4}
+            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     split_n, split_warps, split_stages = ta.SPLIT_CONFIG
@@ -179,7 +162,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
     p.add_argument("--linear", default="",
-                   help="also small_linear at these tilings: comma-separated "
+                   help="also the GEMV at these tilings: comma-separated "
                         "BLOCK_N:BLOCK_K:warps:stages:preload:gated")
     args = p.parse_args()
     extra = [tuple(int(v) for v in c.split(":")) for c in args.linear.split(",") if c]

@@ -1,7 +1,6 @@
 """Where the GPU time of one CUDA-graph decode step goes, phase by phase.
 
     python scripts/profile_graph_step.py [--batch 1] [--k 3] [--acceptance 3.0]
-        [--variants preload=0,linear=6144:4096:0:16:256:4:5+attn=64:4:2:8]
 
 For plain decode and for K drafts at a forced acceptance length (random-weight 8B shape, as in
 bench/decode.py), prints one JSON line per mode:
@@ -13,35 +12,14 @@ bench/decode.py), prints one JSON line per mode:
     span between its markers (so PDL overlap inside a phase counts once), with its kernel
     count;
   - step_gaps: the GPU's idle time between kernels and copies over ten engine steps;
-  - one target layer's kernel sequence (name, start offset, duration in µs);
-  - with --variants, first the step and replay times of each variant of the kernels' knobs
-    (each captured afresh, the default measured again after them for the drift):
-    preload=0|1 (attention reads older keys before its PDL wait),
-    linear=N:K:gated:BLOCK_N:BLOCK_K:warps:stages[:preload tiles] (a GEMV's tiling),
-    attn=BLOCK_N:warps:stages[:splits], fused_rope=0|1 (qkv GEMV with rotary and the KV
-    write as its epilogue), release=N (a GEMV lets its successor launch N weight tiles
-    before the end of its stream), early=0|1 (the qkv GEMV and the down projection
-    before it let their successor launch right after their own wait), early=N:K:gated
-    (that GEMV too), mlp=1 (gate_up and down as triton_mlp's persistent kernel instead of
-    two small_linear kernels; mlp=0 the reverse), mlp.KEY=N (its CONFIG[KEY]),
-    attn_idle=0|1 (attention's splits without keys leave before their wait),
-    attn_merge=loop|unrolled (the last split loads the partials split by split, or all at
-    once), max_rows=16|32 (the most rows a forward sends through the decode kernels; more
-    go through cuBLAS with the row kernels); '+' joins
-    knobs into one variant;
-  - with --trace, the programs of each kernel of a layer from stamps they write themselves
-    (start, end of the PDL wait, end of the main work, end; the programs' earliest, 10th
-    percentile, median, 90th percentile and latest in µs from the layer's attention start,
-    the median over layers 2-29; scripts/show_trace.py prints it compactly).
+  - one target layer's kernel sequence (name, start offset, duration in µs).
 The markers add ~1-2 µs each; replay_marked_ms shows the total with them.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -51,10 +29,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
-from onespec.layers import linear as lin
-from onespec.layers import triton_attention as ta
-from onespec.layers import triton_linear as tlin
-from onespec.layers import triton_mlp as tmlp
 from onespec.bench_cli import build_llm, set_draft, write_model_dirs
 
 MARK = "spin_kernel"
@@ -159,17 +133,6 @@ def layer_sequence(kern, replays: int, layer: int = 5) -> list[list]:
     return [[n[:40], round(s - t0, 1), round(e - s, 1)] for n, s, e in ks[lo:hi + 1]]
 
 
-def traced_layer(replay, replays: int = 5) -> list[list]:
-    """layer_sequence of a few replays under the profiler (a variant's kernel timeline)."""
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    return layer_sequence(kernels_of(prof), replays)
-
-
 def host_breakdown(eng, key, steps: int = 30) -> dict:
     """Host time per step in the engine's parts (runner.collect waits for the GPU); inside
     runner.launch: filling the inputs and the replay call (the graph launch); `gpu`, the
@@ -224,59 +187,6 @@ def host_breakdown(eng, key, steps: int = 30) -> dict:
     return res
 
 
-def apply_variant(spec: str):
-    """Sets the knobs of one --variants entry; returns the function that restores them."""
-    saved = (ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention, dict(tlin.CONFIGS),
-             tlin.FUSED_ROPE, tlin.RELEASE_TILES, set(tlin.RELEASE_AT_START),
-             tlin.EARLY_RELEASE, tmlp.ENABLED, dict(tmlp.CONFIG), ta.IDLE_EXIT,
-             ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS)
-    for knob in filter(None, spec.split("+")):
-        name, _, value = knob.partition("=")
-        if name == "preload":
-            ta.PRELOAD = value == "1"
-        elif name == "linear":
-            n, k, gated, *cfg = (int(x) for x in value.split(":"))
-            tlin.CONFIGS[(n, k, bool(gated))] = tuple(cfg)
-        elif name == "fused_rope":
-            tlin.FUSED_ROPE = value == "1"
-        elif name == "release":
-            tlin.RELEASE_TILES = int(value)
-        elif name == "early" and value in ("0", "1"):
-            tlin.EARLY_RELEASE = value == "1"
-        elif name == "early":
-            n, k, gated = (int(x) for x in value.split(":"))
-            tlin.RELEASE_AT_START.add((n, k, bool(gated)))
-        elif name == "attn":
-            cfg = tuple(int(x) for x in value.split(":"))
-            ta.SPLITS = cfg[3] if len(cfg) > 3 else ta.SPLITS
-            ta.triton_paged_attention = functools.partial(saved[2], config=cfg[:3])
-        elif name == "attn_idle" and value in ("0", "1"):
-            ta.IDLE_EXIT = value == "1"
-        elif name == "attn_merge" and value in ("loop", "unrolled"):
-            ta.MERGE_UNROLLED = value == "unrolled"
-        elif name == "mlp" and value in ("0", "1"):
-            tmlp.ENABLED = value == "1"
-        elif name.startswith("mlp.") and name[4:] in tmlp.CONFIG:
-            tmlp.CONFIG[name[4:]] = int(value)
-        elif name == "max_rows" and value in ("16", "32"):
-            lin.MAX_FAST_ROWS = int(value)
-        elif name != "default":
-            raise SystemExit(f"unknown variant knob {knob!r}")
-
-    def undo():
-        ta.PRELOAD, ta.SPLITS, ta.triton_paged_attention = saved[:3]
-        tlin.FUSED_ROPE, tlin.RELEASE_TILES = saved[4:6]
-        tlin.RELEASE_AT_START.clear()
-        tlin.RELEASE_AT_START.update(saved[6])
-        tlin.EARLY_RELEASE, tmlp.ENABLED = saved[7:9]
-        tmlp.CONFIG.clear()
-        tmlp.CONFIG.update(saved[9])
-        ta.IDLE_EXIT, ta.MERGE_UNROLLED, lin.MAX_FAST_ROWS = saved[10:13]
-        tlin.CONFIGS.clear()
-        tlin.CONFIGS.update(saved[3])
-    return undo
-
-
 def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     ns = SimpleNamespace(prompt_len=args.prompt_len, batch_sizes=[args.batch],
                          dtype="bfloat16", device="cuda", seed=0)
@@ -307,44 +217,6 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
                 break
             eng.step()
 
-    def stamped_layer(tag: str = "default") -> list[dict]:
-        """program_trace of one replay of the graph captured afresh with stamps on (the raw
-        stamps also saved to --trace-raw's folder)."""
-        restart(False)
-        tlin.TRACE = []
-        graphs.graphs.clear()
-        graphs.pool = torch.cuda.graph_pool_handle()
-        while key not in graphs.graphs:
-            eng.step()
-        replay = graphs.standalone(key).replay
-        replay()
-        torch.cuda.synchronize()
-        with torch.inference_mode():    # the engine made them there
-            for _, buf in tlin.TRACE:      # keep only what the replay below writes
-                buf.zero_()
-        replay()
-        torch.cuda.synchronize()
-        launches = [(n, b.cpu()) for n, b in tlin.TRACE if b[:, 0].any()]
-        tlin.TRACE = None
-        if args.trace_raw:
-            os.makedirs(args.trace_raw, exist_ok=True)
-            torch.save(launches, os.path.join(
-                args.trace_raw, f"{'plain' if k == 0 else 'spec'}_{tag}.pt".replace(":", "_")))
-        graphs.graphs.clear()          # the next capture without stamps
-        graphs.pool = torch.cuda.graph_pool_handle()
-        return program_trace(launches)
-
-    sweep = []
-    for variant in args.variants + (["default"] if args.variants else []):
-        undo = apply_variant(variant)
-        restart(True)
-        replay = graphs.standalone(key).replay
-        sweep.append({"variant": variant, "step_ms": round(mean_ms(eng.step, 50), 3),
-                      "replay_ms": round(mean_ms(replay, 100), 3),
-                      "layer": traced_layer(replay)})
-        if args.trace:
-            sweep[-1]["trace"] = stamped_layer(variant)
-        undo()
     restart(True)
     host = host_breakdown(eng, key)
     restart(False)
@@ -371,53 +243,12 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
            "step_ms": round(step_ms, 3), "replay_ms": round(replay_ms, 3),
            "host_ms": round(step_ms - replay_ms, 3), "host_parts_ms": host,
            "step_gaps": gaps,
-           "sweep": sweep,
            "replay_marked_ms": round(replay_marked_ms, 3),
            "kernels_per_step": len(kern) // replays - len(labels),
            "phases": phase_table(kern, labels, replays),
            "layer_kernels": layer_sequence(kern, replays)}
-    if args.trace:
-        out["trace"] = stamped_layer()
     for r in reqs:
         eng.abort(r.request_id)
-    return out
-
-
-def program_trace(launches, first: int = 2, last: int = 30) -> list[dict]:
-    """The kernels of one layer from the programs' stamps (triton_linear.TRACE), each
-    stamp's earliest, 10th percentile, median, 90th percentile and latest program in us
-    from the layer's attention start, the median over layers first..last-1."""
-    launches.sort(key=lambda nb: int(nb[1][:, 0][nb[1][:, 0] > 0].min()))
-    attn = [i for i, (n, _) in enumerate(launches) if n == "attention"]
-    per_layer = []
-    for lo, hi in zip(attn[first:last], attn[first + 1:last + 1]):
-        t0 = int(launches[lo][1][:, 0][launches[lo][1][:, 0] > 0].min())
-        rows = []
-        for name, buf in launches[lo:hi + 1]:
-            row = {"kernel": name, "programs": buf.shape[0],
-                   "sms": int(buf[:, 4].unique().numel())}
-            for col, what in enumerate(("start", "waited", "worked", "end")):
-                # a program that leaves early (attention's splits without keys) stamps
-                # only its start: the rest of its row is whatever the memory held
-                ok = (buf[:, col] >= buf[:, 0]) & (buf[:, col] - buf[:, 0] < 10 ** 9)
-                v = buf[:, col][ok & (buf[:, col] > 0)].double()
-                if v.numel():
-                    v = (v - t0) / 1e3
-                    row[what] = torch.quantile(v, torch.tensor(
-                        [0, .1, .5, .9, 1], dtype=v.dtype)).tolist()
-            rows.append(row)
-        per_layer.append(rows)
-    if not per_layer:
-        return []
-    out = []
-    for j, row in enumerate(per_layer[0]):
-        agg = dict(row)
-        for what in ("start", "waited", "worked", "end"):
-            if what in row:
-                vals = torch.tensor([layer[j][what] for layer in per_layer
-                                     if what in layer[j]])
-                agg[what] = [round(x, 2) for x in vals.median(0).values.tolist()]
-        out.append(agg)
     return out
 
 
@@ -429,17 +260,8 @@ def main():
     p.add_argument("--acceptance", type=float, default=3.0)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--variants", default="",
-                   help="comma-separated kernel variants to time first (see above)")
     p.add_argument("--modes", default="plain,spec", help="plain, spec or both")
-    p.add_argument("--trace", action="store_true",
-                   help="also each kernel's programs of one layer, from stamps they write "
-                        "(triton_linear.TRACE): start, end of the wait, of the main work, end")
-    p.add_argument("--trace-raw", default="",
-                   help="with --trace: a folder for each traced replay's raw stamps "
-                        "(torch.save of [(kernel, stamps [programs, 5])])")
     args = p.parse_args()
-    args.variants = [v for v in args.variants.split(",") if v]
     if not torch.cuda.is_available():
         sys.exit("profile_graph_step.py needs CUDA")
     root = tempfile.mkdtemp()

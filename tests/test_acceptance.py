@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from onespec.layers.sampler import probs_from_logits, sample_from_probs
-from onespec.spec.acceptance import forced_num_accepted, rejection_accept, strict_accept
-from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
+from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
+from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 
 
 def _gen(seed: int) -> torch.Generator:

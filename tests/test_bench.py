@@ -1,5 +1,5 @@
-"""`onespec bench decode` on the tiny shape, CPU, float32: every JSON line has the DESIGN.md
-keys with sane values, forced acceptance shows up as the measured acceptance length."""
+"""`onespec bench decode` on the tiny shape, CPU, float32: every JSON line has the
+documented keys with sane values, forced acceptance shows up as the measured acceptance length."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The overlap scheduler's device-side inputs (engine/chain.py): the Triton kernel against
+"""The overlap scheduler's device-side inputs (kernels/chain.py): the Triton kernel against
 its PyTorch reference (in Triton's interpreter without CUDA, see conftest)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from onespec.engine.chain import chain_inputs, chain_inputs_reference  # noqa: E402
+from onespec.kernels.chain import chain_inputs, chain_inputs_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -18,7 +18,9 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 2, 24)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_triton_matches_torch_backend(dtype, heads, kv_heads, head_dim, window):
-    from onespec.layers.attention import build_attention_metadata, paged_attention
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.attention import build_attention_metadata
+    from onespec.layers.ops import make_ops
     torch.manual_seed(0)
     dev, bs, num_blocks = "cuda", 4, 64
     # three requests: a prefill chunk of 7 rows at 10.., a 4-row verify at 20.., one row at 3
@@ -36,7 +38,8 @@ def test_triton_matches_torch_backend(dtype, heads, kv_heads, head_dim, window):
         v = torch.randn(t, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
         meta = build_attention_metadata(tables, q_lens, positions, bs, int(positions.max()) + 1,
                                         window, backend)
-        outs.append(paged_attention(q, k, v, kc, vc, meta, head_dim ** -0.5).float())
+        ops = make_ops(KernelSettings(triton=backend == "triton"))
+        outs.append(ops.paged_attention(q, k, v, kc, vc, meta, head_dim ** -0.5).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
@@ -104,7 +107,7 @@ def test_capture_warm_up_in_threads(pair, k, monkeypatch):
     counters zero."""
     from onespec import LLM, Eagle3Config, SamplingParams
     from onespec.engine import cuda_graph
-    from onespec.layers import triton_attention as ta
+    from onespec.kernels import attention as ta
     target, hf, head = pair
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     spec = Eagle3Config(head, max_draft_len=k) if k else None
@@ -200,29 +203,3 @@ def test_overlap_scheduler_abort_in_flight(pair, k):
     again = llm.generate([PROMPTS[4]], sp)[0].outputs[0].token_ids
     assert again == hf_greedy(hf, PROMPTS[4], 24)
     assert_pool_full(llm)
-
-
-def test_kernel_stamps_are_ordered():
-    """triton_linear.TRACE (profiling): each program of a launch stamps its start, the end of
-    its wait, the end of its weight stream and its end, in that order, and its SM."""
-    from onespec.layers import triton_linear as tlin
-    torch.manual_seed(0)
-    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    tlin.TRACE = []
-    try:
-        y = tlin.small_linear(x, w)
-        torch.cuda.synchronize()
-        launches = tlin.TRACE
-    finally:
-        tlin.TRACE = None
-    torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.5, rtol=2e-2)
-    assert [name for name, _ in launches] == ["small_linear"]
-    stamps = launches[0][1].cpu()
-    block_n = tlin._config(256, 512, False, tlin._hopper(w.device))[0]   # one program a tile
-    assert stamps.shape == (256 // block_n, 5)
-    assert (stamps[:, 0] > 0).all()
-    for a, b in ((0, 1), (1, 2), (2, 3)):
-        assert (stamps[:, b] >= stamps[:, a]).all(), (a, b, stamps)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert ((stamps[:, 4] >= 0) & (stamps[:, 4] < sms)).all()

@@ -363,3 +363,20 @@ def test_postprocess_drops_rows_of_finished_requests():
     assert sched.postprocess(batch, StepOutput([], [[9, 10, 11]], [3], [[4, 5]])) == []
     assert (req.output_token_ids, req.num_computed, vars(req.metrics)) == before
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
+
+
+def test_kernel_settings_fixed_at_construction(llm):
+    """The engine builds its kernel settings once (frozen) and every layer of the model
+    computes with the one backend made from them: on the CPU, the PyTorch operations."""
+    import dataclasses
+
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.ops import TorchOps
+    eng = llm.engine
+    assert eng.kernel_settings == KernelSettings(triton=False, pdl=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        eng.kernel_settings.triton = True
+    assert type(eng.ops) is TorchOps
+    holders = [m for m in eng.model.modules() if hasattr(m, "ops")]
+    assert len(holders) == 1 + 3 * eng.model.config.num_hidden_layers   # model, layer parts
+    assert all(m.ops is eng.ops for m in holders)

@@ -210,6 +210,7 @@ def test_unknown_llm_argument(tiny_models):
     (dict(max_model_len=1), r"max_model_len must be an integer >= 2, got 1"),
     (dict(kv_cache_memory_fraction=0.0), r"kv_cache_memory_fraction must be in \(0, 1\]"),
     (dict(overlap_scheduler="yes"), r"overlap_scheduler must be True or False, got 'yes'"),
+    (dict(programmatic_launch=1), r"programmatic_launch must be True or False, got 1"),
 ])
 def test_invalid_engine_config(tiny_models, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

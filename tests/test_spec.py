@@ -94,8 +94,9 @@ def test_formats_give_identical_drafts_and_metrics(pair):
 
 def reference_drafts(hf, head, capture, tokens: list[int], k: int):
     """Drafts for a request whose committed tokens are `tokens`, recomputed without any
-    cache from transformers' hidden states (SPEC.md §3). Also returns each step's top-2
-    logit margin, so near-ties (float noise decides them) can be told apart from bugs."""
+    cache from transformers' hidden states (docs/DECODING.md, "draft loop"). Also returns
+    each step's top-2 logit margin, so near-ties (float noise decides them) can be told
+    apart from bugs."""
     n = len(tokens)
     with torch.no_grad():
         hs = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states

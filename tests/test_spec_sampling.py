@@ -1,6 +1,7 @@
-"""Sampled speculative decoding keeps the target's distribution (SPEC.md §4): exact-match
-acceptance (default) and rejection sampling, checked against the exact joint distribution
-of the first three tokens computed with transformers, by a chi-square test."""
+"""Sampled speculative decoding keeps the target's distribution (docs/DECODING.md,
+"acceptance"): exact-match acceptance (default) and rejection sampling, checked against the
+exact joint distribution of the first three tokens computed with transformers, by a
+chi-square test."""
 from __future__ import annotations
 
 import pytest

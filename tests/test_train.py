@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_hf_model
 from onespec import LLM, Eagle3Config, SamplingParams
-from onespec.engine.engine import load_target, load_tokenizer
+from onespec.models.registry import load_target, load_tokenizer
 from onespec.models.eagle3_io import save_eagle3_head
 from onespec.train.data import Sample, chat_tokens, make_batches, records_to_samples
 from onespec.train.features import TargetBatch, dense_forward, project_qkv, target_batch
@@ -109,7 +109,7 @@ def _inference_step_logits(head, embed, features, ids, row, num_steps):
         rep = attn.num_heads // attn.num_kv_heads
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(n, attn.q_size))
+        return out.transpose(1, 2).reshape(n, attn.q_size)
 
     h = layer(embed(ids[1:row + 2]), head.fc(features[:row + 1]), torch.arange(row + 1),
               head.rotary, None, attn_fn=cached_attention)[row:]

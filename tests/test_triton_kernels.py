@@ -1,5 +1,5 @@
-"""The Triton decode kernels (layers/triton_linear.py, layers/triton_attention.py) against
-their PyTorch references. Compiled on CUDA; without CUDA, conftest runs them in Triton's
+"""The Triton kernels (onespec/kernels/) and the Triton backend (layers/triton_ops.py)
+against their PyTorch references. Compiled on CUDA; without CUDA, conftest runs them in Triton's
 interpreter, so a CPU run checks their indexing, masking and arithmetic as well."""
 from __future__ import annotations
 
@@ -14,15 +14,44 @@ from conftest import make_eagle3_head, make_hf_model
 
 pytest.importorskip("triton")
 
+from onespec.kernels import attention as ta  # noqa: E402
+from onespec.kernels.gemv import gemv, gemv_argmax, gemv_prenorm  # noqa: E402
+from onespec.kernels.rope_kv import (qkv_rope_and_cache, qkv_rope_fusable,  # noqa: E402
+                                     rope_and_cache)
+from onespec.kernels.rows import add_rms_norm, embed_norm_concat, rms_norm, silu_mul  # noqa: E402
+from onespec.kernels.settings import KernelSettings  # noqa: E402
 from onespec.layers.attention import build_attention_metadata  # noqa: E402
-from onespec.layers.linear import fused_linear, fused_linear_argmax  # noqa: E402
 from onespec.layers.norm import RMSNorm  # noqa: E402
+from onespec.layers.ops import TORCH_OPS, make_ops  # noqa: E402
 from onespec.layers.rotary import RotaryEmbedding  # noqa: E402
-from onespec.layers.triton_linear import (embed_norm_concat, rope_and_cache,  # noqa: E402
-                                          small_linear)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TRITON_OPS = make_ops(KernelSettings(triton=True))
+
+
+def ops_for(backend: str):
+    return TRITON_OPS if backend == "triton" else TORCH_OPS
+
+
+def torch_linear(lin, x, norm=None, gated=False, residual=None, out_dtype=None):
+    """The PyTorch reference: (residual +) [silu(gate) * up of] lin(norm(x))."""
+    y = lin(x if norm is None else norm(x))
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = residual + y
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def triton_linear(lin, x, norm=None, gated=False, residual=None, out_dtype=None):
+    """The same through the Triton backend (decode GEMVs, or cuBLAS and row kernels)."""
+    if norm is not None:
+        x = TRITON_OPS.norm(norm, x)
+    if gated:
+        return TRITON_OPS.gated(lin, x)
+    return TRITON_OPS.linear(lin, x, residual, out_dtype)
 
 
 def linear_parts(k: int, n: int, gated: bool, bias: bool, dtype, seed: int = 0):
@@ -41,10 +70,10 @@ def linear_parts(k: int, n: int, gated: bool, bias: bool, dtype, seed: int = 0):
 @pytest.mark.parametrize("kind", ["plain", "bias", "norm", "gated", "norm-gated-bias",
                                   "residual", "norm-fp32-out"])
 @torch.inference_mode()
-def test_small_linear_matches_torch(dtype, rows, kind):
-    """Decode-sized rows (one small_linear kernel: 16-row tiles, and 20 rows in a 32-row
-    tile) and 40 rows (cuBLAS with the norm and SiLU * up as Triton row kernels) against
-    the PyTorch path."""
+def test_linear_matches_torch(dtype, rows, kind):
+    """Decode-sized rows (one GEMV kernel: 16-row tiles, and 20 rows in a 32-row tile) and
+    40 rows (cuBLAS with the norm and SiLU * up as Triton row kernels) against the PyTorch
+    path."""
     k, n = 600, 40          # K spans two tiles with a ragged end; N is not a tile multiple
     gated = "gated" in kind
     lin, norm = linear_parts(k, n, gated, "bias" in kind, dtype)
@@ -56,8 +85,8 @@ def test_small_linear_matches_torch(dtype, rows, kind):
         kw["residual"] = torch.randn(rows, n, device=DEV).to(dtype)
     if "fp32-out" in kind:
         kw["out_dtype"] = torch.float32
-    ref = fused_linear(lin, x, gated=gated, **kw)
-    got = fused_linear(lin, x, gated=gated, fast=True, **kw)
+    ref = torch_linear(lin, x, gated=gated, **kw)
+    got = triton_linear(lin, x, gated=gated, **kw)
     assert got.shape == ref.shape == (rows, n) and got.dtype == ref.dtype
     tol = TOL[dtype]
     if DEV == "cpu" and dtype == torch.bfloat16 and rows > 32:
@@ -68,44 +97,50 @@ def test_small_linear_matches_torch(dtype, rows, kind):
 @pytest.mark.parametrize("pre", [2, 4])
 @pytest.mark.parametrize("gated", [False, True])
 @torch.inference_mode()
-def test_small_linear_preloading_several_tiles(pre, gated):
+def test_gemv_preloading_several_tiles(pre, gated):
     """PRE weight tiles loaded before the wait for the previous kernel, ragged K included
     (600 = 4 tiles of 128 + 88; PRE = 8 preloads all of K, so the loop never runs)."""
     lin, norm = linear_parts(600, 40, gated, True, torch.float32)
     x = torch.randn(3, 600, device=DEV)
-    ref = fused_linear(lin, x, norm=norm, gated=gated)
+    ref = torch_linear(lin, x, norm=norm, gated=gated)
     for p in (pre, 2 * pre):
-        got = small_linear(x, lin.weight, lin.bias, norm_weight=norm.weight, eps=norm.eps,
-                           gated=gated, config=(16, 128, 4, 2, p))
+        got = gemv(rms_norm(x, norm.weight, norm.eps), lin.weight, lin.bias, gated=gated,
+                   tiling=(16, 128, 4, 2, p))
         torch.testing.assert_close(got, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
     with pytest.raises(ValueError, match="preload tiles must be 0 or a power of two"):
-        small_linear(x, lin.weight, config=(16, 64, 4, 2, 3))
+        gemv(x, lin.weight, tiling=(16, 64, 4, 2, 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gated", [False, True])
 @torch.inference_mode()
-def test_small_linear_without_preload_is_bit_identical(dtype, gated):
+def test_gemv_without_preload_is_bit_identical(dtype, gated):
     """PRE = 0 (wait first, every tile in the pipelined loop) adds the same tiles in the
-    same order as one preloaded tile: equal bits, with the residual + next-norm epilogue."""
+    same order as one preloaded tile: equal bits, with the residual epilogue (and the next
+    norm begun, ungated)."""
     lin, norm = linear_parts(600, 40, gated, False, dtype)
+
+    def run(x, res, p):
+        if gated:
+            return gemv(x, lin.weight, gated=True, residual=res, tiling=(16, 128, 4, 2, p)), None
+        return gemv_prenorm(x, lin.weight, res, (norm.weight, norm.eps),
+                            tiling=(16, 128, 4, 2, p))
     for rows in (1, 5):
         x = torch.randn(rows, 600, device=DEV).to(dtype)
         res = torch.randn(rows, 40, device=DEV).to(dtype)
-        outs = [small_linear(x, lin.weight, gated=gated, residual=res,
-                             norm_out=(norm.weight, norm.eps), config=(16, 128, 4, 2, p))
-                for p in (0, 1)]
+        outs = [run(x, res, p) for p in (0, 1)]
         assert torch.equal(outs[0][0], outs[1][0])
-        assert torch.equal(outs[0][1].x, outs[1][1].x)
-        assert torch.equal(outs[0][1].ss, outs[1][1].ss)
-        ref = fused_linear(lin, x, gated=gated, residual=res)
+        if not gated:
+            assert torch.equal(outs[0][1].x, outs[1][1].x)
+            assert torch.equal(outs[0][1].ss, outs[1][1].ss)
+        ref = torch_linear(lin, x, gated=gated, residual=res)
         torch.testing.assert_close(outs[0][0].float(), ref.float(), atol=TOL[dtype],
                                    rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_small_linear_rows_do_not_depend_on_the_batch(dtype):
+def test_gemv_rows_do_not_depend_on_the_batch(dtype):
     """Each row gets bit-identical results alone or among 2..32 rows: a verify row and the
     plain decode row of the same input agree exactly. On the GPU a row's tensor-core dots
     add the same terms in the same order in a 16- or a 32-row tile; Triton's interpreter
@@ -115,7 +150,7 @@ def test_small_linear_rows_do_not_depend_on_the_batch(dtype):
     x = torch.randn(32, 256, device=DEV).to(dtype)
 
     def run(rows):
-        return small_linear(x[rows], lin.weight, norm_weight=norm.weight, gated=True)
+        return gemv(rms_norm(x[rows], norm.weight, 1e-6), lin.weight, gated=True)
     alone = torch.cat([run(slice(i, i + 1)) for i in range(32)])
     tall = run(slice(0, 32))                     # a 32-row tile
     assert torch.equal(run(slice(0, 20)), tall[:20])
@@ -139,11 +174,11 @@ def test_rms_norm_split_across_two_linears(dtype, rows):
     # reference in float32 from the same (rounded) values: this path rounds less than the
     # bf16 PyTorch one, so it is compared with what both approximate
     o32, g32, n32 = (copy.deepcopy(mod).float() for mod in (o_proj, gate_up, norm))
-    ref_h = fused_linear(o32, a.float(), residual=h.float())
-    ref = fused_linear(g32, ref_h.to(dtype).float(), norm=n32, gated=True)
-    got_h, pre = small_linear(a, o_proj.weight, residual=h, norm_out=(norm.weight, norm.eps),
-                              config=(32, 64, 4, 2))
-    got = small_linear(pre, gate_up.weight, gate_up.bias, gated=True)
+    ref_h = torch_linear(o32, a.float(), residual=h.float())
+    ref = torch_linear(g32, ref_h.to(dtype).float(), norm=n32, gated=True)
+    got_h, pre = gemv_prenorm(a, o_proj.weight, h, (norm.weight, norm.eps),
+                              tiling=(32, 64, 4, 2))
+    got = gemv(pre, gate_up.weight, gate_up.bias, gated=True)
     assert pre.ss.shape == (rows, 10)                  # one partial sum per producer program
     tol = TOL[dtype]
     torch.testing.assert_close(got_h.float(), ref_h.float(), atol=tol, rtol=tol)
@@ -154,21 +189,20 @@ def test_rms_norm_split_across_two_linears(dtype, rows):
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("norm", [False, True])
 @torch.inference_mode()
-def test_small_linear_argmax_matches_torch(dtype, rows, norm):
+def test_gemv_argmax_matches_torch(dtype, rows, norm):
     """Greedy tokens straight from the GEMV (per-tile argmax + a reduction, no logits
     written) equal argmax over the logits the same kernel writes, and the PyTorch path's
     (in bf16, whose logits differ by rounding: a token within rounding of its maximum)."""
     lin, rms = linear_parts(200, 300, False, False, dtype)    # 300: 10 tiles, ragged end
     x = torch.randn(rows, 200, device=DEV).to(dtype)
-    kw = {"norm": rms} if norm else {}
-    got = fused_linear_argmax(lin, x, fast=True, **kw)
+    rms = rms if norm else None
+    got = TRITON_OPS.greedy(lin, x, rms)
     assert got.shape == (rows,) and got.dtype == torch.int64
-    logits = fused_linear(lin, x, out_dtype=torch.float32, fast=True, **kw)
+    logits = TRITON_OPS.logits(lin, x, rms)
     assert torch.equal(got, logits.argmax(-1))
     offsets = torch.randint(0, 1000, (300,), device=DEV)          # a draft->target map
-    assert torch.equal(fused_linear_argmax(lin, x, offsets=offsets, fast=True, **kw),
-                       got + offsets[got])
-    ref = fused_linear(lin, x, out_dtype=torch.float32, **kw)
+    assert torch.equal(TRITON_OPS.greedy(lin, x, rms, offsets), got + offsets[got])
+    ref = TORCH_OPS.logits(lin, x, rms)
     if dtype == torch.float32:
         assert torch.equal(got, ref.argmax(-1))
     else:
@@ -177,7 +211,7 @@ def test_small_linear_argmax_matches_torch(dtype, rows, norm):
 
 
 @torch.inference_mode()
-def test_small_linear_argmax_takes_the_first_of_equal_maxima():
+def test_gemv_argmax_takes_the_first_of_equal_maxima():
     """As torch.argmax: ties go to the lowest column, within a tile and across tiles."""
     w = torch.randn(300, 64, device=DEV) * 0.01
     x = torch.ones(2, 64, device=DEV)
@@ -188,21 +222,22 @@ def test_small_linear_argmax_takes_the_first_of_equal_maxima():
     x[1, 32:] = 0.0
     x[0, :32] = 0.0
     w[[40, 45], :32] = 0.0
-    tokens = small_linear(x, w, out_dtype=torch.float32, argmax=True, config=(32, 64, 4, 2))
+    tokens = gemv_argmax(x, w, tiling=(32, 64, 4, 2))
     assert tokens.tolist() == [40, 70]
     assert torch.equal(tokens, (x @ w.T).argmax(-1))
 
 
-def test_small_linear_rejects_bad_shapes():
+def test_gemv_rejects_bad_shapes():
     w = torch.zeros(8, 32, device=DEV)
     with pytest.raises(ValueError, match="equal K"):
-        small_linear(torch.zeros(1, 16, device=DEV), w)
+        gemv(torch.zeros(1, 16, device=DEV), w)
     with pytest.raises(ValueError, match="at most 32 rows"):
-        small_linear(torch.zeros(33, 32, device=DEV), w)
-    with pytest.raises(ValueError, match="norm_out needs a residual"):
-        small_linear(torch.zeros(1, 32, device=DEV), w, norm_out=(torch.ones(8), 1e-6))
-    with pytest.raises(ValueError, match="argmax takes neither"):
-        small_linear(torch.zeros(1, 32, device=DEV), w, gated=True, argmax=True)
+        gemv(torch.zeros(33, 32, device=DEV), w)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        gemv_prenorm(torch.zeros(33, 32, device=DEV), w, torch.zeros(33, 8, device=DEV),
+                     (torch.ones(8, device=DEV), 1e-6))
+    with pytest.raises(ValueError, match="equal K"):
+        gemv_argmax(torch.zeros(1, 16, device=DEV), w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -211,14 +246,13 @@ def test_small_linear_rejects_bad_shapes():
 def test_row_kernels_match_torch(dtype, k):
     """The row kernels around cuBLAS linears: residual add + RMSNorm (the sum rounded
     exactly as `residual + y`; K = 5000 spans two 4096-wide blocks) and SiLU * up."""
-    from onespec.layers.linear import fused_add_rms_norm
-    from onespec.layers.triton_linear import silu_mul
     torch.manual_seed(0)
     y, res = (torch.randn(19, k, device=DEV).to(dtype) for _ in range(2))
     norm = RMSNorm(k, 1e-5).to(DEV, dtype)
     nn.init.uniform_(norm.weight, 0.5, 1.5)
-    h, xn = fused_add_rms_norm(norm, y, res, fast=True)
-    h_ref, xn_ref = fused_add_rms_norm(norm, y, res)
+    h, xn = add_rms_norm(y, res, norm.weight, norm.eps)
+    h_ref = res + y
+    xn_ref = norm(h_ref)
     assert h.dtype == xn.dtype == dtype
     tol = TOL[dtype]
     if dtype == torch.float32 or DEV == "cuda":    # the interpreter truncates to bf16
@@ -232,7 +266,7 @@ def test_row_kernels_match_torch(dtype, k):
     with pytest.raises(ValueError, match=r"must be \[rows, 2 \* N\]"):
         silu_mul(gu[:, 1:])
     with pytest.raises(ValueError, match="must be the same"):
-        fused_add_rms_norm(norm, y, res[:, 1:], fast=True)
+        add_rms_norm(y, res[:, 1:], norm.weight, norm.eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -298,9 +332,8 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
 @torch.inference_mode()
 def test_qkv_rope_and_cache_equals_its_two_kernels(dtype, head_dim, rows, norm, bias):
     """The qkv GEMV with rotary and the KV write as its epilogue gives exactly what
-    small_linear followed by rope_and_cache gives: q, and the cache rows it writes (and no
+    gemv followed by rope_and_cache gives: q, and the cache rows it writes (and no
     others)."""
-    from onespec.layers.triton_linear import qkv_rope_and_cache, qkv_rope_fusable
     heads, kv_heads, hidden, slots = 4, 2, 96, 128
     lin, norm_mod = linear_parts(hidden, (heads + 2 * kv_heads) * head_dim, False, bias,
                                  dtype, seed=5)
@@ -309,8 +342,9 @@ def test_qkv_rope_and_cache_equals_its_two_kernels(dtype, head_dim, rows, norm, 
     h = torch.randn(rows, hidden, device=DEV).to(dtype)
     if norm == "prenormed":       # the norm begun by a residual GEMV before (as in a layer)
         res, _ = linear_parts(hidden, hidden, False, False, dtype, seed=6)
-        _, x = small_linear(x, res.weight, residual=h, norm_out=(norm_mod.weight, 1e-5))
-    kw = {"norm_weight": norm_mod.weight, "eps": 1e-5} if norm == "weight" else {}
+        _, x = gemv_prenorm(x, res.weight, h, (norm_mod.weight, 1e-5))
+    elif norm == "weight":        # the norm as its own row kernel first
+        x = rms_norm(x, norm_mod.weight, 1e-5)
     # 8 blocks of 8 a request; no two rows share a position (so no cache slot is written
     # twice, in an order that may differ between the two ways)
     positions = torch.randperm(64, device=DEV)[:rows]
@@ -325,9 +359,9 @@ def test_qkv_rope_and_cache_equals_its_two_kernels(dtype, head_dim, rows, norm, 
                   for c in range(2)]
         args = (positions, rotary.cos_sin, tables, token_req, 8, *caches, heads, kv_heads)
         if fused:
-            q = qkv_rope_and_cache(x, lin.weight, lin.bias, *args, **kw)
+            q = qkv_rope_and_cache(x, lin.weight, lin.bias, *args)
         else:
-            q = rope_and_cache(small_linear(x, lin.weight, lin.bias, **kw), *args)
+            q = rope_and_cache(gemv(x, lin.weight, lin.bias), *args)
         outs.append((q, *caches))
     for got, ref in zip(outs[1], outs[0]):
         assert torch.equal(got, ref)
@@ -358,7 +392,6 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
     requests share programs (one read of each key tile); 'verify-wide': 20 rows, no
     split, still packed; 'verify-6': 24 rows, no split, 6-row requests packed into a 16-
     (2 query heads a kv head) or a 32-row tile (3)."""
-    from onespec.layers.attention import cached_attention
     q_lens, starts = {"mixed": ([1, 4, 1], [1200, 700, 2]),
                       "verify": ([4] * 3, [1200, 700, 2]),
                       "verify-wide": ([4] * 5, [1200, 700, 2, 64, 333]),
@@ -370,64 +403,47 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
     for backend in ("torch", "triton"):
         meta = build_attention_metadata(tables, rpr if "verify" in batch else q_lens, positions,
                                         bs, int(positions.max()) + 1, window, backend)
-        outs.append(cached_attention(q, kc, vc, meta, head_dim ** -0.5).float())
+        outs.append(ops_for(backend).cached_attention(q, kc, vc, meta, head_dim ** -0.5)
+                    .float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
 @torch.inference_mode()
-def test_split_attention_rows_do_not_depend_on_the_batch(monkeypatch):
+def test_split_attention_rows_do_not_depend_on_the_batch():
     """A verify row and the same row decoded alone get bit-identical attention (so greedy
     speculation matches plain decoding exactly), batched, and packed with its request's
-    other verify rows; the ticket counters end at zero. Idle splits leaving at once and
-    either merge (all splits' loads at once, or one split after another) change nothing."""
-    from onespec.layers import triton_attention as ta
+    other verify rows; the ticket counters end at zero."""
     q, kc, vc, tables, positions, bs = _attention_case(torch.float32, 4, 2, 32, [4, 1],
                                                       [900, 60])
     req = torch.tensor([0, 0, 0, 0, 1], device=DEV)
-    together = ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs)
-    packed = ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4], 0.2, bs,
-                                       rows_per_request=4)
+    together = ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs)
+    packed = ta.paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4], 0.2, bs,
+                                rows_per_request=4)
     assert torch.equal(packed, together[:4])
     for i in range(5):
         for rows_per_request in (0, 1):     # 1: older keys read before the PDL wait
-            alone = ta.triton_paged_attention(q[i:i + 1], kc, vc, tables, req[i:i + 1],
-                                              positions[i:i + 1], 0.2, bs,
-                                              rows_per_request=rows_per_request)
+            alone = ta.paged_attention(q[i:i + 1], kc, vc, tables, req[i:i + 1],
+                                       positions[i:i + 1], 0.2, bs,
+                                       rows_per_request=rows_per_request)
             assert torch.equal(alone, together[i:i + 1])
-    assert not ta._tickets[q.device].any()
-    # splits without keys leaving at once (IDLE_EXIT, the default) change nothing
-    monkeypatch.setattr(ta, "IDLE_EXIT", False)
-    assert torch.equal(ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs),
-                       together)
-    assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
-                                                 0.2, bs, rows_per_request=4), packed)
-    # the merge loading split after split (MERGE_UNROLLED off) gives the same bits
-    monkeypatch.setattr(ta, "MERGE_UNROLLED", False)
-    assert torch.equal(ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs),
-                       together)
-    assert torch.equal(ta.triton_paged_attention(q[:4], kc, vc, tables, req[:4], positions[:4],
-                                                 0.2, bs, rows_per_request=4), packed)
     assert not ta._tickets[q.device].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(monkeypatch, dtype):
+def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
     """A launch without splits packs a 6-row request with 3 query heads a kv head (18 tile
     rows) into one 32-row tile, reading each key tile once: the same results as one program
     per row. In bf16 on the GPU bit-identical: each row's tensor-core dots add the same
     terms in the same order in either tile height. float32's dots (FMA, 'ieee') and
     Triton's interpreter (numpy) sum in an order that follows the tile's layout."""
-    from onespec.layers import triton_attention as ta
     q, kc, vc, tables, positions, bs = _attention_case(dtype, 6, 2, 24, [6] * 3,
                                                       [900, 60, 301])
     req = torch.arange(3, device=DEV).repeat_interleave(6)
-    outs = {}
-    for tile in (16, 32):
-        monkeypatch.setattr(ta, "PACK_TILE_ROWS", tile)
-        outs[tile] = ta.triton_paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
-                                               rows_per_request=6)
+    outs = {tile: ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
+                                     rows_per_request=6, pack_tile_rows=tile)
+            for tile in (16, 32)}
     if DEV == "cuda" and dtype == torch.bfloat16:
         assert torch.equal(outs[32], outs[16])
     tol = TOL[dtype] / 2
@@ -436,71 +452,71 @@ def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(monkeypatch, dtype):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
-def test_fast_decoder_matches_portable_path(tmp_path, arch):
-    """Whole forwards with the Triton kernels (norms split across the linears around them,
+def test_triton_decoder_matches_portable_path(tmp_path, arch):
+    """Whole forwards with the Triton backend (norms split across the linears around them,
     SiLU/residual epilogues, rotary and cache writes, paged attention) equal the portable
     path: a 40-row prefill chunk (cuBLAS linears), a 20-row chunk (decode path, 32-row
     tiles), a 4-row verify step and a single decode row (decode path, 16-row tiles), each
-    over the cache the previous ones wrote. qwen3's head_dim 24
-    takes the PyTorch q/k-norm and rotary inside the fast path."""
-    from onespec.engine.engine import load_target
+    over the cache the previous ones wrote. qwen3's head_dim 24 takes the PyTorch q/k-norm
+    and rotary inside the Triton path."""
     from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.registry import load_target
     make_hf_model(tmp_path, arch, num_layers=2)
-    model = load_target(str(tmp_path), DEV, torch.float32)
-    model.setup_rotary(128, DEV)
-    for name, p in model.named_parameters():     # HF initialises norm weights to 1
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-    layers = [layer.self_attn for layer in model.model.layers]
     torch.manual_seed(0)
     ids = torch.randint(3, 128, (65,), device=DEV)
     tables = torch.tensor([[2, 0, 3, 1, 6, 4, 7, 5, 8]], device=DEV)
     results = {}
-    for fast in (False, True):
-        model.fast_kernels = fast
-        allocate_kv_cache(layers, 9, 8, DEV)
+    for backend in ("torch", "triton"):
+        model = load_target(str(tmp_path), DEV, torch.float32, ops=ops_for(backend))
+        model.setup_rotary(128, DEV)
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():     # HF initialises norm weights to 1
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        allocate_kv_cache([layer.self_attn for layer in model.model.layers], 9, 8, DEV)
         outs = []
         for lo, hi in ((0, 40), (40, 60), (60, 64), (64, 65)):
             pos = torch.arange(lo, hi, device=DEV)
-            meta = build_attention_metadata(tables, hi - lo, pos, 8, hi, None,
-                                            "triton" if fast else "torch")
+            meta = build_attention_metadata(tables, hi - lo, pos, 8, hi, None, backend)
             hidden, captured = model(ids[lo:hi], pos, meta, capture=(0,))
             outs += [hidden, captured, model.compute_logits(hidden),
                      model.greedy_tokens(hidden)]
-        results[fast] = outs
-    for got, ref in zip(results[True], results[False]):
+        results[backend] = outs
+    for got, ref in zip(results["triton"], results["torch"]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("norm_before_residual,num_layers", [(False, 1), (True, 2)])
 @torch.inference_mode()
-def test_fast_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residual, num_layers):
-    """The draft head's passes with the Triton kernels (fc, both input norms written into
+def test_triton_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residual,
+                                                     num_layers):
+    """The draft head's passes with the Triton backend (fc, both input norms written into
     one concatenation, fused layers, norm + draft lm_head) equal the portable path: a
     4-row step 0 and a single-row later step over the draft KV the first one wrote."""
-    from onespec.engine.engine import load_target
     from onespec.engine.kv_cache import allocate_kv_cache
     from onespec.models.eagle3_io import load_eagle3_head
-    from onespec.spec.drafters import Eagle3Drafter
+    from onespec.models.registry import load_target
+    from onespec.speculative.eagle3 import Eagle3Drafter
     hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
     make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=num_layers,
                      norm_before_residual=norm_before_residual)
-    target = load_target(str(tmp_path / "target"), DEV, torch.float32)
-    head = load_eagle3_head(str(tmp_path / "head"), target.config, 3, DEV, torch.float32)
-    head.setup_rotary(64, DEV)
-    for name, p in head.named_parameters():      # so the split norms are seen
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-    drafter = Eagle3Drafter(head, target, (1, 2, 3))
     torch.manual_seed(0)
     captured = torch.randn(4, 3 * 64, device=DEV)
     ids = torch.randint(3, 128, (5,), device=DEV)
     tables = torch.tensor([[1, 0]], device=DEV)
     results = {}
-    for fast in (False, True):
-        head.fast_kernels = fast
+    for backend in ("torch", "triton"):
+        ops = ops_for(backend)
+        target = load_target(str(tmp_path / "target"), DEV, torch.float32, ops=ops)
+        head = load_eagle3_head(str(tmp_path / "head"), target.config, 3, DEV, torch.float32,
+                                ops=ops)
+        head.setup_rotary(64, DEV)
+        torch.manual_seed(1)
+        for name, p in head.named_parameters():      # so the split norms are seen
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        drafter = Eagle3Drafter(head, target, (1, 2, 3))
         allocate_kv_cache(drafter.attention_layers, 2, 8, DEV)
-        backend = "triton" if fast else "torch"
         pos = torch.arange(3, 7, device=DEV)
         meta = build_attention_metadata(tables, 4, pos, 8, 7, None, backend)
         h = drafter.forward(ids[:4], pos, drafter.initial_hidden(captured, None), meta)
@@ -508,8 +524,8 @@ def test_fast_eagle3_drafter_matches_portable_path(tmp_path, norm_before_residua
         pos = torch.tensor([7], device=DEV)
         meta = build_attention_metadata(tables, 1, pos, 8, 8, None, backend)
         h = drafter.forward(ids[4:], pos, h[-1:], meta)
-        results[fast] = outs + [h, drafter.compute_logits(h), drafter.greedy_target_ids(h)]
-    for got, ref in zip(results[True], results[False]):
+        results[backend] = outs + [h, drafter.compute_logits(h), drafter.greedy_target_ids(h)]
+    for got, ref in zip(results["triton"], results["torch"]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -528,7 +544,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 25
+    assert len(rows) == 23
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents
@@ -542,19 +558,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert qkv["global_loads_before_wait"] > 8
     # the qkv GEMV and the down projection before it release their successor right after
     # their wait (no load between the two); the other GEMVs only after their weight stream
-    early = by_name["small_linear residual+norm_out, early release (down before qkv)"]
+    early = by_name["gemv prenorm, early release (down before qkv)"]
     for row in (qkv, early):
         assert row["global_loads_before_release"] == row["global_loads_before_wait"], row
     # ... and a qkv program fits beside a down program on one SM (228 KB, 1 KB reserved
     # per block), where the early release places it
     assert early["shared_bytes"] + qkv["shared_bytes"] + 2048 <= 228 * 1024
-    # the persistent MLP: one program an SM (two would not fit, so the block scheduler
-    # spreads them); if it releases the qkv at its start, a qkv program fits beside it
-    from onespec.layers.triton_mlp import CONFIG
-    mlp = next(row for name, row in by_name.items() if name.startswith("fused MLP"))
-    assert 2 * (mlp["shared_bytes"] + 1024) > 228 * 1024, mlp
-    if CONFIG["early"]:
-        assert mlp["shared_bytes"] + qkv["shared_bytes"] + 2048 <= 228 * 1024, mlp
-        assert mlp["global_loads_before_release"] == mlp["global_loads_before_wait"], mlp
-    late = by_name["small_linear residual+norm_out"]
+    late = by_name["gemv prenorm"]
     assert late["global_loads_before_release"] > late["global_loads_before_wait"], late

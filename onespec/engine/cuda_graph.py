@@ -8,7 +8,7 @@ touch nothing real; their rows are dropped from the results.
 
 A step is launched (inputs copied in, graph replayed, results copied out, an event
 recorded) and collected later, so the overlap scheduler (engine.py) can launch the next
-step, its inputs chained from this one's results on the device (chain.py), before this
+step, its inputs chained from this one's results on the device (kernels/chain.py), before this
 one is read.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
-from onespec.spec.worker import SpecWorker, StepInputs
+from onespec.speculative.worker import SpecWorker, StepInputs
 
 
 @dataclass
@@ -88,7 +88,7 @@ class CudaGraphRunner:
 
     def _layout(self, b: int, k: int) -> tuple[int, int, int, int, int, int]:
         """Offsets of input_ids, positions [b (k+1)], draft tokens [b, k], block tables
-        [b, width], chain sources [b] (chain.py) and the end, for bucket b."""
+        [b, width], chain sources [b] (kernels/chain.py) and the end, for bucket b."""
         rows = b * (k + 1)
         o_tables = 2 * rows + b * k
         o_src = o_tables + b * self.width
@@ -97,13 +97,13 @@ class CudaGraphRunner:
     @staticmethod
     def _results_size(b: int, k: int) -> int:
         """Length of a step's results for bucket b: accepted rows [b, k+1], accepted counts
-        [b], next drafts [b, k] (chain.py reads them in this order)."""
+        [b], next drafts [b, k] (kernels/chain.py reads them in this order)."""
         return b * (2 * k + 2)
 
     def _step(self, b: int, k: int, buf: dict | None = None):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
         results to `prev` (of `buf`, by default draft length k's buffers)."""
-        from onespec.engine.chain import chain_inputs
+        from onespec.kernels.chain import chain_inputs   # Triton: only where graphs run
         buf = buf or self._buffers(k)
         layout = self._layout(b, k)
         o_ids, o_pos, o_drafts, o_tables, _, _ = layout

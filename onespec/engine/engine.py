@@ -2,71 +2,30 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
 from onespec.config import Eagle3Config, EngineConfig
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
+                                     slots_per_step)
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
+from onespec.kernels.settings import KernelSettings
+from onespec.layers.ops import make_ops
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                     default_capture_layers)
 from onespec.models.eagle3_io import load_eagle3_head
-from onespec.models.llama import DecoderConfig, LlamaForCausalLM
-from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.loader import read_config
+from onespec.models.registry import load_target, load_tokenizer, resolve_device, resolve_dtype
 from onespec.sampling_params import SamplingParams
-from onespec.spec.drafters import Eagle3Drafter
-from onespec.spec.schedule import SpeculationGate, draft_len_for_batch
-from onespec.spec.worker import SpecWorker
+from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
+from onespec.speculative.eagle3 import Eagle3Drafter
+from onespec.speculative.worker import SpecWorker
 
 CPU_KV_BUDGET_BYTES = 4 << 30
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
-def load_target(path: str, device, dtype, dummy: bool = False) -> LlamaForCausalLM:
-    cfg = DecoderConfig.from_hf(read_config(path))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.to_empty(device=device if dummy else "cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if dummy:
-        init_dummy_weights(model)
-        return model.to(dtype=dtype).eval()
-    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
-        else (lambda n: n)
-    load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def load_tokenizer(path: str):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    # the engine checks lengths against max_model_len itself; transformers' own limit only
-    # adds an "indexing errors" warning before that message (or before a windowed sample)
-    tokenizer.model_max_length = int(1e30)
-    return tokenizer
 
 
 class Engine:
@@ -75,7 +34,13 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         dummy = config.load_format == "dummy"
-        self.model = load_target(config.model, self.device, self.dtype, dummy)
+        backend = self._attention_backend()
+        # the kernels' settings, fixed here for the engine's life: the backend every layer
+        # is built with
+        self.kernel_settings = KernelSettings(triton=backend == "triton",
+                                              pdl=config.programmatic_launch)
+        self.ops = make_ops(self.kernel_settings)
+        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
@@ -106,14 +71,9 @@ class Engine:
         worker = SpecWorker(self.model, drafter,
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
-                            generator=self.generator,
-                            attn_backend=self._attention_backend())
-        fast = worker.attn_backend == "triton"     # Triton kernels for decode-sized batches
-        self.model.fast_kernels = fast
-        if drafter is not None:
-            drafter.head.fast_kernels = fast
+                            generator=self.generator, attn_backend=backend)
         graphs = None
-        if config.cuda_graphs and fast:
+        if config.cuda_graphs and self.kernel_settings.triton:
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -145,13 +105,14 @@ class Engine:
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
         draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
         head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
-                                draft_dtype, dummy=self.config.load_format == "dummy")
+                                draft_dtype, dummy=self.config.load_format == "dummy",
+                                ops=self.ops)
         return Eagle3Drafter(head.eval(), self.model, tuple(capture))
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:
         cfg = self.config
         per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
-        blocks_per_seq = -(-(self.max_model_len + max(k + 1, 2 * k)) // cfg.block_size)
+        blocks_per_seq = -(-(self.max_model_len + slots_per_step(k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
         else:      # a fraction of free memory, but never more than the batch can use

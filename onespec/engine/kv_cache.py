@@ -34,6 +34,13 @@ class BlockPool:
         block_table.clear()
 
 
+def slots_per_step(k: int, drafting: bool = True) -> int:
+    """Cache slots past num_computed that a generation step of draft length k may write:
+    the target's K+1 rows at P..P+K, and with a drafter its steps, draft step j writing
+    P + n - 1 + j <= P + 2K - 1: max(K + 1, 2K)."""
+    return max(k + 1, 2 * k) if drafting else k + 1
+
+
 def kv_bytes_per_block(attn_layers, block_size: int) -> int:
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * a.o_proj.weight.element_size()
                for a in attn_layers)

@@ -9,7 +9,7 @@ from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
-from onespec.spec.worker import SpecWorker, StepInputs
+from onespec.speculative.worker import SpecWorker, StepInputs
 
 PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from onespec.engine.kv_cache import BlockPool
+from onespec.engine.kv_cache import BlockPool, slots_per_step
 from onespec.engine.request import Request, RequestStatus
 
 
@@ -61,9 +61,7 @@ class Scheduler:
 
     # ---- slot reservations -------------------------------------------------------------
     def _gen_slots(self, req: Request, k: int) -> int:
-        # target writes P..P+K; draft steps 1..K-1 write up to P + n - 1 + K - 1 <= P + 2K - 1
-        extra = max(k + 1, 2 * k) if self.has_drafter else k + 1
-        return req.num_computed + extra
+        return req.num_computed + slots_per_step(k, self.has_drafter)
 
     def reserve_ahead(self, req: Request, k: int) -> bool:
         """For a step launched before the one in flight is read (the overlap scheduler):

@@ -1,4 +1,4 @@
-"""Aggregate speculation counters (SPEC.md §8)."""
+"""Aggregate speculation counters (docs/DECODING.md, "metrics")."""
 from __future__ import annotations
 
 from onespec.engine.request import RequestMetrics

@@ -1,9 +1,9 @@
-"""Attention over the paged KV cache, with two backends sharing one metadata object.
+"""Attention metadata over the paged KV cache, for two backends (layers/ops.py runs them):
 
 - "torch" (portable: CPU and CUDA, the reference in tests): gathers each request's keys and
   values through its block table into a padded [B, KVmax] view and runs SDPA with a mask.
-- "triton" (CUDA): layers/triton_attention.py reads the block pool directly; its metadata
-  is built on the device, so a step can be captured in a CUDA graph.
+- "triton" (CUDA): kernels/attention.py reads the block pool directly; its metadata is
+  built on the device, so a step can be captured in a CUDA graph.
 
 Either way a query row at position p sees cache positions j <= p (and j > p - window with a
 sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft rows.
@@ -96,28 +96,3 @@ def advance_decode_metadata(meta: AttentionMetadata, positions: torch.Tensor
         mask &= key > positions[:, None] - meta.sliding_window
     return replace(meta, positions=positions, slots=meta.kv_slots[rows, positions],
                    mask=mask[:, None, None, :])
-
-
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q [T, Hq, D], k/v [T, Hkv, D]; k_cache/v_cache [num_slots, Hkv, D]. Returns [T, Hq, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    return cached_attention(q, k_cache, v_cache, meta, scale)
-
-
-def cached_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """paged_attention once the rows' own keys and values are in the cache."""
-    if meta.kv_slots is None:
-        from onespec.layers.triton_attention import triton_paged_attention
-        return triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_req,
-                                      meta.positions, scale, meta.block_size,
-                                      meta.sliding_window,
-                                      rows_per_request=meta.rows_per_request)
-    keys = k_cache[meta.kv_slots].transpose(1, 2)                            # [B, Hkv, KV, D]
-    values = v_cache[meta.kv_slots].transpose(1, 2)
-    queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])
-    queries[meta.token_req, meta.token_idx] = q
-    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
-                                         attn_mask=meta.mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k_cache.shape[1])
-    return out.transpose(1, 2)[meta.token_req, meta.token_idx]               # [T, Hq, D]

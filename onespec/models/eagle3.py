@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (SPEC.md §5), shared by inference and training.
+"""EAGLE-3 draft head (docs/DECODING.md, "EAGLE-3 head"), shared by inference and training.
 
     h0  = fc(concat(captured target layers))            # step 0 only, 3H -> H
     e   = input_layernorm(embed(x))
@@ -12,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from onespec.layers.linear import (decode_sized, fused_linear, fused_linear_argmax,
-                                   fused_rms_norm)
 from onespec.layers.norm import RMSNorm
+from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import Attention, DecoderConfig, DecoderLayer, MLP
 
@@ -67,62 +65,40 @@ class Eagle3HeadConfig:
 class Eagle3Layer(nn.Module):
     """The first draft layer: attention over concat(embedding, hidden) of width 2H."""
 
-    def __init__(self, cfg: DecoderConfig, norm_before_residual: bool):
+    def __init__(self, cfg: DecoderConfig, norm_before_residual: bool,
+                 ops: TorchOps = TORCH_OPS):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, input_size=2 * h)
+        self.self_attn = Attention(cfg, input_size=2 * h, ops=ops)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, ops)
         self.norm_before_residual = norm_before_residual
+        self.ops = ops
 
-    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, fast=False,
-                ids=None, table=None):
-        """embeds [T, H], or None with token ids [T] and the embedding table."""
-        h = hidden.shape[-1]
-        decode = decode_sized(hidden, fast)
-        if decode and embeds is None:
-            from onespec.layers.triton_linear import embed_norm_concat
-            e_norm, h_norm = self.input_layernorm, self.hidden_norm
-            a = embed_norm_concat(ids, table, hidden, (e_norm.weight, e_norm.eps),
-                                  (h_norm.weight, h_norm.eps))                # [T, 2H]
-        else:
-            if embeds is None:
-                embeds = F.embedding(ids, table).to(hidden.dtype)
-            a = hidden.new_empty(hidden.shape[0], 2 * h)                     # [T, 2H]
-            fused_rms_norm(self.input_layernorm, embeds, fast, out=a[:, :h])
-            fused_rms_norm(self.hidden_norm, hidden, fast, out=a[:, h:])
-        residual = a[:, h:] if self.norm_before_residual else hidden
-        if decode and attn_fn is None:
-            return self._forward_decode(a, residual, positions, rotary, meta)
-        if attn_fn is None:
-            h = self.self_attn(a, positions, rotary, meta, residual=residual, fast=fast)
-        else:
-            h = residual + attn_fn(a, positions, rotary, meta)
-        return self.mlp(h, self.post_attention_layernorm, residual=h, fast=fast)
-
-    def _forward_decode(self, a, residual, positions, rotary, meta):
-        """The layer on the Triton path, with the post-attention RMSNorm split across
-        o_proj (which leaves rows * weight and partial sums of squares) and gate_up
-        (which applies 1/rms), as DecoderLayer.forward_decode does."""
-        from onespec.layers.triton_linear import small_linear
-        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        out = attn.attend_decode(a, positions, rotary, meta)
-        h, pre = small_linear(out, attn.o_proj.weight, residual=residual,
-                              norm_out=(post.weight, post.eps))
-        act = small_linear(pre, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
-        return small_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+    def forward(self, embeds, hidden, positions, rotary, meta, attn_fn=None, ids=None,
+                table=None):
+        """embeds [T, H], or None with token ids [T] and the embedding table; hidden [T, H]
+        -> the layer's output [T, H]. attn_fn(a, positions, rotary, meta) -> [T, Hq·D]:
+        attention of its own instead of self_attn's (training checks)."""
+        ops = self.ops
+        a = ops.embed_concat(ids, table, hidden, self.input_layernorm, self.hidden_norm,
+                             embeds)                                         # [T, 2H]
+        residual = a[:, hidden.shape[-1]:] if self.norm_before_residual else hidden
+        out = (attn_fn or self.self_attn)(a, positions, rotary, meta)        # [T, Hq·D]
+        h, x = ops.add_norm(self.self_attn.o_proj, out, residual, self.post_attention_layernorm)
+        return self.mlp(x, h)[0]
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: Eagle3HeadConfig, num_captured: int = 3):
+    def __init__(self, cfg: Eagle3HeadConfig, num_captured: int = 3, ops: TorchOps = TORCH_OPS):
         super().__init__()
         d = cfg.decoder
         self.config = cfg
         self.fc = nn.Linear(num_captured * cfg.target_hidden_size, d.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(d, cfg.norm_before_residual)] +
-                                    [DecoderLayer(d) for _ in range(cfg.num_layers - 1)])
+        self.layers = nn.ModuleList([Eagle3Layer(d, cfg.norm_before_residual, ops)] +
+                                    [DecoderLayer(d, ops) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, cfg.draft_vocab_size, bias=False)
         self.embed_tokens: nn.Embedding | None = None     # set when the head has its own
@@ -132,39 +108,39 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
                              if has_map else None)
         self.rotary: RotaryEmbedding | None = None
-        self.fast_kernels = False     # Triton decode kernels (set by the engine on CUDA)
+        self.ops = ops
 
     def setup_rotary(self, max_positions: int, device):
         d = self.config.decoder
         self.rotary = RotaryEmbedding(d.head_dim, max_positions, d.rope_theta, d.rope_scaling,
                                       device)
 
+    def initial_hidden(self, captured):
+        """fc over the captured target layers [T, n·H_target] -> step 0's hidden [T, H]."""
+        return self.ops.linear(self.fc, captured)
+
     def forward(self, embeds, hidden, positions, meta, ids=None, table=None):
         """embeds [T, H] (token embeddings; or None, with token ids [T] and the embedding
         table), hidden [T, H] -> pre-norm output [T, H]."""
-        fast = self.fast_kernels
-        h = self.layers[0](embeds, hidden, positions, self.rotary, meta, fast=fast, ids=ids,
-                           table=table)
+        h = self.layers[0](embeds, hidden, positions, self.rotary, meta, ids=ids, table=table)
         for layer in self.layers[1:]:
-            h = layer(h, positions, self.rotary, meta, fast)
+            h, _ = layer(h, None, positions, self.rotary, meta)
         return h
 
     def compute_logits(self, hidden):
-        return fused_linear(self.lm_head, hidden, norm=self.norm, out_dtype=torch.float32,
-                            fast=self.fast_kernels)                         # [N, Vd]
+        return self.ops.logits(self.lm_head, hidden, self.norm)              # [N, Vd]
 
     def greedy_target_ids(self, hidden):
-        """to_target_ids(compute_logits(hidden).argmax(-1)) [N]; when fast, no logits are
-        written and the map to target ids happens in the argmax's last kernel."""
-        return fused_linear_argmax(self.lm_head, hidden, norm=self.norm, offsets=self.d2t,
-                                   fast=self.fast_kernels)
+        """to_target_ids(compute_logits(hidden).argmax(-1)) [N]; where the backend can, no
+        logits are written and the map to target ids happens in the argmax's last kernel."""
+        return self.ops.greedy(self.lm_head, hidden, self.norm, offsets=self.d2t)
 
     def to_target_ids(self, draft_ids):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
-    """SPEC.md §2: outputs of layers (1, L//2 - 1, L - 4)."""
+    """The outputs of layers (1, L//2 - 1, L - 4) (docs/DECODING.md, "hidden-state capture")."""
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 

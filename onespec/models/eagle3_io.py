@@ -1,4 +1,5 @@
-"""Reading and writing EAGLE-3 heads in the SafeAILab and speculators formats (SPEC.md §5)."""
+"""Reading and writing EAGLE-3 heads in the SafeAILab and speculators formats
+(docs/DECODING.md, "EAGLE-3 head")."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig, make_vocab_maps
 from onespec.models.llama import DecoderConfig
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
@@ -15,7 +17,8 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 
 def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device,
-                     dtype, dummy: bool = False) -> Eagle3Head:
+                     dtype, dummy: bool = False, ops: TorchOps = TORCH_OPS) -> Eagle3Head:
+    """The head at `path` for a target of config `target`, built with the backend `ops`."""
     cfg = Eagle3HeadConfig.from_hf(read_config(path))
     what = f"EAGLE-3 head {path!r}"
     if cfg.target_hidden_size != target.hidden_size:
@@ -25,13 +28,13 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         raise ValueError(f"{what} has vocab_size {cfg.target_vocab_size}, but the target has "
                          f"vocab_size {target.vocab_size}")
     if dummy:
-        return _dummy_head(cfg, num_captured, device, dtype)
+        return _dummy_head(cfg, num_captured, device, dtype, ops)
     weights = dict(iter_weights(path, desc="loading draft head"))
     prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
     if not any(k.startswith(prefix) for k in weights):
         raise ValueError(f"{what}: config says {cfg.fmt} format but no '{prefix}*' weights found")
     with torch.device("meta"):
-        head = Eagle3Head(cfg, num_captured)
+        head = Eagle3Head(cfg, num_captured, ops)
     has_embed = "embed_tokens.weight" in weights
     if has_embed:
         with torch.device("meta"):
@@ -59,10 +62,11 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
 
 
-def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype) -> Eagle3Head:
+def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype,
+                ops: TorchOps) -> Eagle3Head:
     """Random weights of the head's shape (benchmarks); a random sorted draft vocabulary."""
     with torch.device("meta"):
-        head = Eagle3Head(cfg, num_captured)
+        head = Eagle3Head(cfg, num_captured, ops)
     head.to_empty(device=device)
     init_dummy_weights(head)
     if head.d2t is not None:

@@ -14,6 +14,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
                500: "server_error", 503: "server_error"}
 
+UNION_FIELD_MESSAGES = {
+    "prompt": "prompt must be a string or a list of token ids (ints)",
+    "stop": "stop must be a string or a list of strings",
+    "messages": "messages must be a list of {role, content} objects with string content "
+                "(or a list of text parts)",
+}
+
 
 class APIError(Exception):
     """An error answered to the client; status 400 unless said otherwise."""
@@ -33,6 +40,22 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def validation_error(errors) -> APIError:
+    """The first pydantic (or FastAPI) error as an APIError."""
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(f"request body is not valid JSON: {err.get('msg', '')}")
+    if not loc:
+        return APIError(f"request body: {err.get('msg', 'invalid')}")
+    field = loc[0]
+    if err.get("type") == "missing":
+        return APIError(f"missing required field '{'.'.join(loc)}'", param=field)
+    if field in UNION_FIELD_MESSAGES:
+        return APIError(UNION_FIELD_MESSAGES[field], param=field)
+    return APIError(f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", param=field)
+
+
 def install_error_handlers(app: FastAPI):
     """Every error the app can raise answers in the OpenAI shape (never FastAPI's 422)."""
 
@@ -42,7 +65,6 @@ def install_error_handlers(app: FastAPI):
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
-        from onespec.serve.protocol import validation_error
         return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,17 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from onespec.sampling_params import SamplingParams
-from onespec.serve.errors import APIError
+from onespec.serve.errors import APIError, validation_error
 
 # Fields whose union types give unreadable pydantic errors get a plain sentence instead.
-UNION_FIELD_MESSAGES = {
-    "prompt": "prompt must be a string or a list of token ids (ints)",
-    "stop": "stop must be a string or a list of strings",
-    "messages": "messages must be a list of {role, content} objects with string content "
-                "(or a list of text parts)",
-}
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -136,18 +128,3 @@ def parse_body(model: type[_Strict], body: bytes) -> _Strict:
     req.check_unsupported()
     return req
 
-
-def validation_error(errors) -> APIError:
-    """The first pydantic (or FastAPI) error as an APIError."""
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    if err.get("type") == "json_invalid":
-        return APIError(f"request body is not valid JSON: {err.get('msg', '')}")
-    if not loc:
-        return APIError(f"request body: {err.get('msg', 'invalid')}")
-    field = loc[0]
-    if err.get("type") == "missing":
-        return APIError(f"missing required field '{'.'.join(loc)}'", param=field)
-    if field in UNION_FIELD_MESSAGES:
-        return APIError(UNION_FIELD_MESSAGES[field], param=field)
-    return APIError(f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", param=field)

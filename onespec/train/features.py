@@ -50,7 +50,7 @@ def dense_forward(model: LlamaForCausalLM, input_ids, capture: tuple[int, ...]):
     """input_ids [B, T] -> (final-normed hidden [B, T, H], captured [B, T, len(capture)·H]).
 
     Captured values are the residual stream after each layer in `capture` (outputs-of ids,
-    SPEC §2), concatenated in the order given (repeats allowed)."""
+    docs/DECODING.md "hidden-state capture"), concatenated in the order given (repeats allowed)."""
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     window = model.config.sliding_window

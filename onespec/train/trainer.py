@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from onespec.engine.engine import load_target, load_tokenizer, resolve_device
+from onespec.models.registry import load_target, load_tokenizer, resolve_device
 from onespec.models.eagle3 import default_capture_layers
 from onespec.models.eagle3_io import save_eagle3_head
 from onespec.train.checkpoint import (Position, has_checkpoint, load_checkpoint,

@@ -7,8 +7,8 @@ target's prediction of x(t+1)), step i computes, for every row t at once:
     step i:  token x(t+1+i), hidden = step i-1's pre-norm out, position t+i
     target:  p(t+1+i), i.e. the target's prediction of x(t+2+i)
 
-which is what the inference loop (SPEC §3) does at one position p = t: step 0 over the
-prefix, then single-token steps at p+1, p+2, ... feeding back the head's own output.
+which is what the inference loop (docs/DECODING.md, "draft loop") does at one position
+p = t: step 0 over the prefix, then single-token steps at p+1, p+2, ... feeding back the head's own output.
 Attention matches the inference KV cache: row t at step i sees step-0 keys of rows <= t
 (the prefix, written from target features) and its own keys of steps 1..i (the earlier
 drafts of this round), nothing else — `ttt_attention_mask`.

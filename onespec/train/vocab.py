@@ -1,4 +1,5 @@
-"""Draft vocabulary: the N most frequent target tokens under the loss mask (SPEC §5 maps)."""
+"""Draft vocabulary: the N most frequent target tokens under the loss mask (the head's d2t
+and t2d maps, docs/DECODING.md "EAGLE-3 head")."""
 from __future__ import annotations
 
 from typing import Iterable

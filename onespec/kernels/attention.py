@@ -1,0 +1,341 @@
+"""Paged attention for CUDA in Triton: reads keys/values straight from the block pool.
+
+One program per (query row, kv head) handles the kv head's group of query heads, walks the
+row's visible key positions [max(0, pos - window + 1), pos] in tiles of BLOCK_N through the
+request's block table, and keeps an online softmax. Prefill chunks, K+1 verify rows and
+single-token draft rows are all just rows with a request index and a position, so one
+kernel serves all three, and its metadata is built on the device (CUDA-graph safe).
+
+Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over SPLITS
+programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores its partial
+softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
+the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8;
+with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all
+(its result is stored as is, no merge) and the other splits leave at once.
+When every request has the same number of consecutive rows (a K+1-row verify), a request's
+rows can share one program per kv head and read each key tile once (rows_per_request).
+Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
+exact zeros, so a row's result depends only on its own keys, never on the other rows of
+the batch or its pack.
+
+Under programmatic dependent launch the kernel starts while the rotary kernel before it
+writes this step's keys; when the rows per request are known, the only keys that kernel
+writes are at the rows' own positions, so the first tile's older keys (and the positions
+and block tables, inputs of the step) are read before waiting for it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from onespec.kernels.launch import INTERPRETED, pdl_launch, pdl_start
+
+NO_WINDOW = 1 << 30
+MAX_SPLIT_ROWS = 16     # launches of up to this many rows split their keys
+SPLITS = 16
+# decode-sized launches, 16-bit keys of head_dim <= 128: 256-key tiles, 8 warps, one stage.
+# Up to 256 keys one program per (row, kv head) holds them all, read before its PDL wait,
+# and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles)
+SPLIT_CONFIG = (256, 8, 1)
+# launches of more rows, where every request has a few (decode steps and verifies of larger
+# batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
+# batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling)
+ROWS_CONFIG = (128, 4, 2)
+# launches without splits pack a request's rows into a tile of up to this many (row,
+# query head) rows, read each key tile once for all of them: a K = 5 verify's 6 rows x 4
+# query heads of a Llama-3 kv group take one 32-row tile instead of six 16-row ones, each
+# reading every key again. Split launches pack only into the 16-row tile one row uses.
+PACK_TILE_ROWS = 32
+_tickets: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
+
+
+def _ticket_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (pack of rows, kv head); each launch leaves them zero.
+    One buffer per device (16 rows x 256 kv heads), so CUDA graphs keep pointing at it;
+    one outgrown is kept alive for the graphs captured with it."""
+    t = _tickets.get(device)
+    if t is None or t.numel() < n:
+        if t is not None:
+            _outgrown.append(t)
+        t = _tickets[device] = torch.zeros(max(n, MAX_SPLIT_ROWS * 256), dtype=torch.int32,
+                                           device=device)
+    return t
+
+
+@triton.jit
+def _first_tile(split, t_lo, SPLITS: tl.constexpr):
+    """The first key tile >= t_lo that belongs to `split` (tiles t with t % SPLITS == split)."""
+    return t_lo + (split - t_lo % SPLITS + SPLITS) % SPLITS
+
+
+@triton.jit
+def _tile_rows(pack, kv_head, g, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """The query row and head of tile rows g: row g // GROUP of the pack, head g % GROUP
+    of the kv head's group."""
+    return pack * ROWS + g // GROUP, kv_head * GROUP + g % GROUP
+
+
+@triton.jit
+def _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max, kv_head, stride_ct,
+                  stride_ch, d, d_ok, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile t of request req: positions n [N] and the cache offsets of their
+    (n, kv_head) rows [N, D], with the mask of the keys any row may see."""
+    n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n <= pos_max) & (n >= lo_min)
+    block = tl.load(BLOCK_TABLES + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    kv_off = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    return n, kv_off, n_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
+    """One key tile's step of the online softmax for the rows' query heads [G, D]."""
+    if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
+    s = tl.where(visible, s * scale, float("-inf"))                # [G, N]
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # a row with no visible key yet keeps exact zeros (no -inf - -inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _paged_attention_kernel(
+        Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
+        stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+        scale, window, num_kv_heads,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
+        RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        MERGE_ROWS: tl.constexpr = 16):
+    if RPR == 0:
+        pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
+    pack = tl.program_id(0)           # ROWS consecutive rows of one request
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # one tile row per (row of the pack, query head of the kv head's group)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_ok = g < ROWS * GROUP
+    d_ok = d < HEAD_DIM
+    row, head = _tile_rows(pack, kv_head, g, ROWS, GROUP)
+    req = tl.load(TOKEN_REQ + pack * ROWS)
+    pos = tl.load(POSITIONS + row, mask=g_ok, other=0)                  # [G]
+    lo = tl.maximum(pos - window + 1, 0)
+    pos_max = tl.max(pos, 0)
+    lo_min = tl.min(tl.where(g_ok, lo, pos_max), 0)
+    # key tiles at multiples of BLOCK_N, so a row sees the same tiles (and splits) in any
+    # pack; this split's: t = split, split + SPLITS, ... (all of them when SPLITS == 1)
+    t_lo = lo_min // BLOCK_N
+    t_hi = pos_max // BLOCK_N
+    t0 = _first_tile(split, t_lo, SPLITS)
+    # A split without a key tile leaves at once (it writes nothing, takes no ticket): with
+    # the rows known before its PDL wait, it frees its SM (8 warps at ~250 registers fill
+    # one) while the qkv kernel still runs, and the successor's launch waits only for the
+    # splits that work.
+    if t0 > t_hi:
+        return
+    n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
+                                       kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
+                                       BLOCK_N)
+    rows_mask = g_ok[:, None] & d_ok[None, :]          # the tile's real (row, head) rows
+    if RPR > 0:
+        # Each request has RPR rows, and the only keys the previous kernel (rotary + KV
+        # write) writes are at their positions (`mine`): the others of the first tile (and
+        # the step's inputs) are read while it still runs.
+        r = tl.arange(0, RPR_PAD)
+        mine = tl.load(POSITIONS + (pack * ROWS) // RPR * RPR + r, mask=r < RPR, other=-1)
+        is_mine = tl.max(((n[:, None] == mine[None, :]) & (r < RPR)[None, :]).to(tl.int32), 1)
+        old, new = kv_mask & (is_mine == 0)[:, None], kv_mask & (is_mine != 0)[:, None]
+        k = tl.load(K_CACHE + kv_off, mask=old, other=0.0)
+        v = tl.load(V_CACHE + kv_off, mask=old, other=0.0)
+        pdl_start(PDL)
+        k = tl.load(K_CACHE + kv_off, mask=new, other=k)
+        v = tl.load(V_CACHE + kv_off, mask=new, other=v)
+    else:
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)          # [N, D]
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
+    q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=rows_mask, other=0.0)                              # [G, D]
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+    for t in range(t0 + SPLITS, t_hi + 1, SPLITS):
+        n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max,
+                                           kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
+                                           BLOCK_N)
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
+        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+    out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLITS == 1:
+        _store_normalised(out_ptrs, acc, l, rows_mask)
+    else:
+        # the merge holds only the real rows (fewer registers a split, so the loads of
+        # every split can be in flight together)
+        gm = tl.arange(0, MERGE_ROWS)
+        gm_ok = gm < ROWS * GROUP
+        m_row, m_head = _tile_rows(pack, kv_head, gm, ROWS, GROUP)
+        merge_ptrs = OUT + m_row[:, None] * stride_ot + m_head[:, None] * stride_oh + d[None, :]
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, rows_mask, merge_ptrs,
+                      gm_ok[:, None] & d_ok[None, :], t_lo, t_hi,
+                      pack * num_kv_heads + kv_head, split, g, g_ok, gm, gm_ok, d, GROUP_PAD,
+                      DIM_PAD, MERGE_ROWS, SPLITS)
+
+
+@triton.jit
+def _store_normalised(out_ptrs, acc, l, out_mask):
+    """The rows' attention output acc / l (l = 0 on padding rows of the tile: no 0/0)."""
+    l = tl.where(l > 0, l, 1.0)
+    tl.store(out_ptrs, (acc / l[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge_ptrs,
+                  merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d,
+                  GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
+    merges them all in split order (the same arithmetic whichever program comes last;
+    a split with no key visible to a row adds exact zeros to it). Splits without keys
+    leave at once; keys within one tile need no merge. Only the tile's real rows are
+    stored (g_ok) and merged (the first MERGE_ROWS rows; merge_ptrs, merge_mask).
+
+    The merge loop is unrolled and each split's loads are predicated rather than branched
+    over, so they are all in flight at once (one L2 round trip for the partials instead of
+    one per split); a split without keys leaves the state as it is."""
+    if _first_tile(split, t_lo, SPLITS) > t_hi:
+        return
+    if t_hi == t_lo:
+        # one split holds every key: its result as is (what merging it alone would give)
+        _store_normalised(out_ptrs, acc, l, out_mask)
+        return
+    base = unit * SPLITS
+    tl.store(PART_O + ((base + split) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :], acc,
+             mask=out_mask)
+    tl.store(PART_ML + ((base + split) * 2) * GROUP_PAD + g, m, mask=g_ok)
+    tl.store(PART_ML + ((base + split) * 2 + 1) * GROUP_PAD + g, l, mask=g_ok)
+    # release: the partials above are visible to whoever draws the last ticket (acquire)
+    ticket = tl.atomic_add(TICKETS + unit, 1, sem="acq_rel")
+    if ticket == tl.minimum(t_hi - t_lo + 1, SPLITS) - 1:
+        tl.store(TICKETS + unit, 0)                     # ready for the next launch
+        m_all = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+        l_all = tl.zeros([MERGE_ROWS], tl.float32)
+        o_all = tl.zeros([MERGE_ROWS, DIM_PAD], tl.float32)
+        for s in tl.static_range(SPLITS):
+            has = _first_tile(s, t_lo, SPLITS) <= t_hi
+            o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
+                                          merge_mask, has, GROUP_PAD, DIM_PAD)
+            m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+            m_all = tl.where(has, m_new, m_all)
+            l_all = tl.where(has, l_new, l_all)
+            o_all = tl.where(has, o_new, o_all)
+        _store_normalised(merge_ptrs, o_all, l_all, merge_mask)
+
+
+@triton.jit
+def _load_partial(PART_O, PART_ML, slot, g, g_ok, d, mask, has, GROUP_PAD: tl.constexpr,
+                  DIM_PAD: tl.constexpr):
+    """One split's stored (acc, m, l) of rows g, from L2 (other programs wrote it), if
+    `has`. (tl.where, not `&`: Triton's interpreter rejects a scalar anded with a tensor.)"""
+    o_s = tl.load(PART_O + (slot * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :],
+                  mask=tl.where(has, mask, False), other=0.0, cache_modifier=".cg")
+    rows_ok = tl.where(has, g_ok, False)
+    m_s = tl.load(PART_ML + (slot * 2) * GROUP_PAD + g, mask=rows_ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    l_s = tl.load(PART_ML + (slot * 2 + 1) * GROUP_PAD + g, mask=rows_ok, other=0.0,
+                  cache_modifier=".cg")
+    return o_s, m_s, l_s
+
+
+@triton.jit
+def _merge_one(m_all, l_all, o_all, m_s, l_s, o_s):
+    """The running merge's state after one more split's partial softmax state."""
+    m_new = tl.maximum(m_all, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m_all - m_safe)
+    b = tl.exp(m_s - m_safe)
+    return m_new, l_all * a + l_s * b, o_all * a[:, None] + o_s * b[:, None]
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
+                    block_size: int, window: int | None = None, *,
+                    rows_per_request: int = 0, pdl: bool = False,
+                    config: tuple[int, int, int] | None = None, splits: int = SPLITS,
+                    pack_tile_rows: int = PACK_TILE_ROWS):
+    """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
+    Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
+    pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
+    num_stages) instead of the default; splits, pack_tile_rows: instead of SPLITS and
+    PACK_TILE_ROWS (benchmarks and tests).
+
+    rows_per_request (0: not known): every request has this many consecutive rows (1 for a
+    decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
+    key tile once, while they fit the tile of query rows a single row uses (so each row's
+    arithmetic stays the same) in split launches, or pack_tile_rows rows in others; (b)
+    the keys at the rows' own positions are the only ones the kernel just before (rotary +
+    KV write) may write: under PDL the other keys of the first tile, positions and block
+    tables are read before waiting for it."""
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    rpr = rows_per_request if rows_per_request > 0 and num_rows % rows_per_request == 0 else 0
+    if num_rows == 0:
+        return out
+    # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
+    # 64 (swept on an H200)
+    splits = splits if num_rows <= MAX_SPLIT_ROWS else 1
+    if config is None:
+        wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
+        narrow = 64 if head_dim <= 128 else 32
+        if splits > 1:
+            config = SPLIT_CONFIG if wide else (narrow, 4, 2)
+        elif 0 < rpr <= MAX_SPLIT_ROWS:
+            config = ROWS_CONFIG if wide else (narrow, 4, 2)
+        else:
+            config = (256, 8, 3) if wide else (narrow, 4, 3)
+    block_n, warps, stages = config
+    group_pad = max(16, triton.next_power_of_2(group))
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    pack_limit = group_pad if splits > 1 else max(group_pad, pack_tile_rows)
+    pack = rpr if rpr > 1 and rpr * group <= pack_limit else 1
+    group_pad = max(group_pad, triton.next_power_of_2(pack * group))
+    units = num_rows // pack * num_kv_heads
+    if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
+        part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
+                             device=q.device)
+        part_ml = torch.empty(units * splits * 2 * group_pad, dtype=torch.float32,
+                              device=q.device)
+        tickets = _ticket_counters(q.device, units)
+    else:
+        part_o = part_ml = tickets = out
+    grid = (num_rows // pack, num_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, window or NO_WINDOW,
+        num_kv_heads,
+        GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
+        IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
+        MERGE_ROWS=triton.next_power_of_2(pack * group), num_warps=warps,
+        num_stages=stages,
+        **pdl_launch(pdl))
+    return out

@@ -1,0 +1,65 @@
+"""Inputs of a generation step taken from the step before it, on the device.
+
+With the overlap scheduler (engine/engine.py) step n+1 is launched before the host has seen
+step n's results, so for each request that continues, its next inputs are derived where
+those results are: the first row's token is the last accepted one, the other rows are the
+new drafts, and every position moves on by the number of tokens step n accepted.
+
+Both live in flat int64 buffers laid out by CudaGraphRunner._layout (engine/cuda_graph.py;
+the inputs) and as [accepted (b, k+1) | num_accepted (b) | drafts (b, k)] (the previous
+step's results).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chain_kernel(INP, PREV, o_ids, o_pos, o_drafts, o_src, b,
+                  K: tl.constexpr, ROW_PAD: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.load(INP + o_src + i)          # the previous step's request row, -1: host inputs
+    if j >= 0:
+        rows = b * (K + 1)
+        c = tl.arange(0, ROW_PAD)
+        num = tl.load(PREV + rows + j)
+        last = tl.load(PREV + j * (K + 1) + num - 1)
+        drafts = PREV + rows + b + j * K
+        shifted = tl.load(drafts + c - 1, mask=(c >= 1) & (c <= K), other=0)
+        tl.store(INP + o_ids + i * (K + 1) + c, tl.where(c == 0, last, shifted), mask=c <= K)
+        pos = INP + o_pos + i * (K + 1) + c
+        tl.store(pos, tl.load(pos, mask=c <= K) + num, mask=c <= K)
+        tl.store(INP + o_drafts + i * K + c, tl.load(drafts + c, mask=c < K), mask=c < K)
+
+
+def chain_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...], b: int,
+                 k: int):
+    """In place on inp: each request row i with source j = inp[o_src + i] >= 0 takes
+    ids [last accepted of j, drafts of j], drafts of j, and its positions + num_accepted[j]
+    (the host wrote j's positions of the previous step there). offsets: (ids, pos, drafts,
+    tables, src, end) as CudaGraphRunner._layout gives them."""
+    o_ids, o_pos, o_drafts, _, o_src, _ = offsets
+    _chain_kernel[(b,)](inp, prev, o_ids, o_pos, o_drafts, o_src, b, K=k,
+                        ROW_PAD=max(2, triton.next_power_of_2(k + 1)), num_warps=1)
+
+
+def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+                           b: int, k: int):
+    """chain_inputs in PyTorch (tests)."""
+    o_ids, o_pos, o_drafts, _, o_src, _ = offsets
+    rows = b * (k + 1)
+    ids = inp[o_ids:o_pos].view(b, k + 1)
+    pos = inp[o_pos:o_drafts].view(b, k + 1)
+    drafts = inp[o_drafts:o_drafts + b * k].view(b, k)
+    accepted = prev[:rows].view(b, k + 1)
+    num, prev_drafts = prev[rows:rows + b], prev[rows + b:rows + b + b * k].view(b, k)
+    for i, j in enumerate(inp[o_src:o_src + b].tolist()):
+        if j < 0:
+            continue
+        n = int(num[j])
+        ids[i, 0] = accepted[j, n - 1]
+        ids[i, 1:] = prev_drafts[j]
+        drafts[i] = prev_drafts[j]
+        pos[i] += n

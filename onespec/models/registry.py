@@ -1,0 +1,70 @@
+"""Which model class serves a checkpoint's architecture, and the target loader built on it.
+
+A new target family (e.g. a mixture-of-experts decoder) registers its class here under the
+`architectures` names of its config.json.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from onespec.layers.ops import TORCH_OPS, TorchOps
+from onespec.models.llama import ARCHITECTURES, DecoderConfig, LlamaForCausalLM
+from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+
+TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
+
+
+def register_target(architecture: str, cls: type[nn.Module]):
+    """Serve checkpoints whose config.json names `architecture` with `cls`."""
+    TARGET_MODELS[architecture] = cls
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' (CUDA if present, else CPU) or a torch device name, checked."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' (bfloat16 on CUDA, float32 elsewhere) or a torch dtype name."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_target(path: str, device, dtype, dummy: bool = False,
+                ops: TorchOps = TORCH_OPS) -> LlamaForCausalLM:
+    """The target model at `path` (random weights if `dummy`), built with the backend `ops`."""
+    cfg = DecoderConfig.from_hf(read_config(path))
+    with torch.device("meta"):
+        model = TARGET_MODELS[cfg.architecture](cfg, ops)
+    model.to_empty(device=device if dummy else "cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if dummy:
+        init_dummy_weights(model)
+        return model.to(dtype=dtype).eval()
+    rename = (lambda n: None if n == "lm_head.weight" else n) if cfg.tie_word_embeddings \
+        else (lambda n: n)
+    load_weights(model, iter_weights(path), rename=rename, what=f"checkpoint {path!r}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(path: str):
+    """The Hugging Face tokenizer at `path`, or None when it has no tokenizer files."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer     # slow to import; only when there is one
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # the engine checks lengths against max_model_len itself; transformers' own limit only
+    # adds an "indexing errors" warning before that message (or before a windowed sample)
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer

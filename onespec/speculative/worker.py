@@ -1,0 +1,157 @@
+"""The one-model speculative step (docs/DECODING.md, "one engine step", "draft loop"):
+target verify -> accept -> draft loop.
+
+A batch holds Bc context chunks (rows first) and Bg generation requests of K+1 rows each.
+All work stays on the device; the caller copies the small results to the host once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
+                                      build_attention_metadata)
+from onespec.layers.sampler import SamplingTensors, probs_from_logits, sample, sample_from_probs
+from onespec.speculative.acceptance import forced_num_accepted, rejection_accept, strict_accept
+from onespec.speculative.drafter import Drafter
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # [T]
+    positions: torch.Tensor          # [T]
+    meta: AttentionMetadata
+    block_tables: torch.Tensor       # [B, nb]
+    num_ctx: int
+    num_gen: int
+    k: int
+    logit_rows: torch.Tensor         # [Bc + Bg·(K+1)] rows whose logits are needed
+    ctx_last_rows: torch.Tensor      # [Bc] last row of each context chunk
+    draft_ctx_rows: torch.Tensor     # [Bdc] last rows of chunks that end their prompt
+    draft_reqs: torch.Tensor         # [Bdc + Bg] batch index of each request that drafts
+    gen_start: int                   # first generation row (= context rows)
+    shift_ids: torch.Tensor          # [T] step-0 draft inputs: x(p+1) where known already
+    draft_tokens: torch.Tensor       # [Bg, K] drafts being verified
+    draft_probs: torch.Tensor | None  # [Bg, K, V] q of those drafts (rejection sampling)
+    row_sampling: SamplingTensors    # per logit row
+    gen_sampling: SamplingTensors    # per generation request
+    draft_sampling: SamplingTensors  # per drafting request (draft_reqs)
+    max_kv_draft: int                # host bound on draft-step key lengths
+    block_size: int
+
+
+@dataclass
+class StepResults:
+    context_tokens: torch.Tensor     # [Bc]
+    accepted: torch.Tensor           # [Bg, K+1]
+    num_accepted: torch.Tensor       # [Bg]
+    drafts: torch.Tensor             # [Bd, K] target ids, one row per draft_reqs entry
+    draft_probs: torch.Tensor | None  # [Bd, K, V] in target-vocab space (rejection sampling)
+
+
+class SpecWorker:
+    def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
+                 force_acceptance_length: float | None = None, generator=None,
+                 attn_backend: str = "torch"):
+        self.target, self.drafter = target, drafter
+        self.use_rejection_sampling = use_rejection_sampling
+        self.force_acceptance_length = force_acceptance_length
+        self.generator = generator           # for rows of unseeded requests
+        self.attn_backend = attn_backend
+        self.step_counter = None              # [] int64 on the device (graph-safe)
+        self._vocab_ids = drafter.draft_vocab_target_ids() if drafter else None
+
+    @torch.inference_mode()
+    def step(self, inp: StepInputs) -> StepResults:
+        capture = self.drafter.capture_layers if self.drafter else ()
+        hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
+        context_tokens, accepted, num_accepted = self._accept(inp, hidden[inp.logit_rows])
+        drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
+                                            num_accepted)
+        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs)
+
+    # ---- acceptance --------------------------------------------------------------------
+    def _accept(self, inp: StepInputs, rows):
+        """rows [R, H]: the target's hidden rows whose next tokens are sampled."""
+        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        st = inp.row_sampling
+        if self.use_rejection_sampling and bg and k:
+            logits = self.target.compute_logits(rows)                                # [R, V]
+            probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
+            tokens = sample_from_probs(probs[:bc], st.generators[:bc], self.generator)
+            target_probs = probs[bc:].view(bg, k + 1, -1)
+            accepted, num_accepted = rejection_accept(
+                inp.draft_tokens, inp.draft_probs, target_probs,
+                inp.gen_sampling.generators, self.generator)
+        else:
+            sampled = self.target.greedy_tokens(rows) if st.all_greedy else \
+                sample(self.target.compute_logits(rows), st, self.generator)          # [R]
+            tokens = sampled[:bc]
+            accepted, num_accepted = sampled[bc:].view(bg, k + 1), None
+            if not self._forcing(bg):       # (a forced count needs no comparison)
+                accepted, num_accepted = strict_accept(inp.draft_tokens, accepted)
+        if self._forcing(bg):
+            if self.step_counter is None:
+                self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
+            self.step_counter.add_(1)
+            num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
+                                               self.step_counter, rows.device)
+        return tokens, accepted, num_accepted
+
+    def _forcing(self, num_gen: int) -> bool:
+        return self.force_acceptance_length is not None and num_gen > 0
+
+    # ---- draft loop --------------------------------------------------------------------
+    def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
+                 num_accepted):
+        bg, k = inp.num_gen, inp.k
+        device = inp.input_ids.device
+        empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64, device=device)
+        if self.drafter is None:
+            return empty, None
+        # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
+        if inp.num_ctx:
+            ids = inp.shift_ids.clone()
+            ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
+                                                 ids[inp.ctx_last_rows])
+            ids[inp.gen_start:] = accepted.reshape(-1)
+        else:       # generation rows only: their inputs are the accepted tokens as they are
+            ids = accepted.reshape(-1)
+        h = self.drafter.initial_hidden(captured, hidden)
+        h = self.drafter.forward(ids, inp.positions, h, inp.meta)              # [T, H]
+        if k == 0:
+            return empty, None
+        gen_last = torch.arange(inp.gen_start - 1, inp.gen_start - 1 + bg * (k + 1), k + 1,
+                                device=device) + num_accepted
+        rows = torch.cat([inp.draft_ctx_rows, gen_last]) if inp.num_ctx else gen_last  # [Bd]
+        h, pos = h[rows], inp.positions[rows]
+        # without context chunks every request drafts, in batch order
+        block_tables = inp.block_tables[inp.draft_reqs] if inp.num_ctx else inp.block_tables
+        drafts, probs = [], []
+        meta = None
+        for step in range(k):
+            if step > 0:
+                pos = pos + 1
+                meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
+                                                inp.max_kv_draft, None, self.attn_backend) \
+                    if meta is None else advance_decode_metadata(meta, pos)
+                h = self.drafter.forward(drafts[-1], pos, h, meta)
+            token, q = self._pick(h, inp.draft_sampling)
+            drafts.append(token)
+            probs.append(q)
+        draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
+        return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
+
+    def _pick(self, h, st: SamplingTensors):
+        """Draft token per request from the draft hidden rows h: argmax, or a sample from q
+        with rejection sampling. Returns [Bd] target ids and q [Bd, V] (None without
+        rejection sampling)."""
+        if not self.use_rejection_sampling:
+            return self.drafter.greedy_target_ids(h), None
+        draft_logits = self.drafter.compute_logits(h)                        # [B, Vd]
+        q = probs_from_logits(draft_logits, st.temperature, st.top_k, st.top_p)  # [B, Vd]
+        token = self.drafter.to_target_ids(sample_from_probs(q, st.generators, self.generator))
+        q_target = q.new_zeros(q.shape[0], self.target.config.vocab_size)
+        q_target[:, self._vocab_ids] = q
+        return token, q_target                                               # [B], [B, V]

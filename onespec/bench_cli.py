@@ -3,7 +3,13 @@ a one-model EAGLE-3 head at forced acceptance lengths, against a memory-bandwidt
 Hugging Face transformers `generate`, all in one run.
 
 One JSON object per measured configuration goes to stdout; progress and a per-config
-breakdown go to stderr. `bench/decode.py` runs the same code from a checkout.
+breakdown go to stderr. speedup (both places) = tok/s with the head / plain tok/s at the
+same batch size. `bench/decode.py` runs the same code from a checkout.
+
+The default matrix (4 batch sizes x K in 0,3,5 x 4 acceptance lengths, 3 trials each, and
+transformers) takes minutes even with --shape tiny. A short run, in seconds on a CPU:
+  onespec bench --shape tiny --device cpu --batch-sizes 1 --ks 3 --acceptance max \\
+      --gen-len 16 --trials 1 --no-hf
 """
 from __future__ import annotations
 
@@ -53,24 +59,25 @@ def shape_label(shape: str) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="onespec bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", nargs="?", default="decode", choices=["decode"])
-    p.add_argument("--batch-sizes", default="1,8,32,64")
+    from onespec.cli import Parser
+    p = Parser(prog="onespec bench", description=__doc__)
+    p.add_argument("which", nargs="?", default="decode", choices=["decode"],
+                   help="the benchmark")
+    p.add_argument("--batch-sizes", default="1,8,32,64", help="concurrent requests")
     p.add_argument("--ks", default="0,3,5", help="draft lengths; 0 (plain) always runs")
     p.add_argument("--acceptance", default="1.0,2.0,3.0,max",
                    help="forced tokens per step; 'max' = K+1")
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=128,
                    help="tokens per request in the timed decode phase")
-    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first")
     p.add_argument("--trials", type=int, default=3,
                    help="timed runs of --gen-len tokens per onespec configuration; step_ms "
                         "is their median (each run's in step_ms_trials); transformers: one")
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES) + sorted(MTP_SHAPES),
                    help="MLA + MoE shapes (%s) draft with their MTP layer" % ", ".join(MTP_SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=["cuda", "cpu"])
+                   choices=["cuda", "cpu"], help="where to run")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
@@ -80,7 +87,7 @@ def parse_args(argv):
     p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each graphed step before the previous one is read (engine)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -352,7 +359,8 @@ def run_hf(args, bandwidth: float, emit) -> dict[int, float]:
     except Exception as e:                          # noqa: BLE001 - reported, not fatal
         emit({"engine": "hf-transformers", "baseline": "hf-transformers", "error": repr(e)})
         return best
-    for cache, batch in tqdm(args.hf_runs, desc="transformers generate", file=sys.stderr):
+    for cache, batch in tqdm(args.hf_runs, desc="transformers generate", file=sys.stderr,
+                             disable=None):
         try:
             row = hf_row(model, cache, batch, args, bandwidth)
             best[batch] = max(best.get(batch, 0.0), row["tok_s"])
@@ -392,7 +400,7 @@ def make_emitter(args, model_label: str, device_name: str):
 def run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best):
     """Measures each (batch, K, a); plain (K=0) results fill `plain` {batch: row}."""
     for batch, k, a in tqdm(configs, desc=f"onespec K<={max(c[1] for c in configs)}",
-                            file=sys.stderr):
+                            file=sys.stderr, disable=None):
         try:
             m = measure_decode(llm, batch, k, a, args)
             row, floors = onespec_row(llm, batch, k, a, m, bandwidth)
@@ -409,9 +417,9 @@ def run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best):
         if k == 0:
             plain[batch] = row
         elif base:
-            tqdm.write(f"[b={batch} K={k} a={a:g}] step {m.step_ms:.2f} ms vs plain "
-                       f"{base['step_ms']:.2f} ms (x{m.step_ms / base['step_ms']:.2f}); floor "
-                       f"{row['floor_ms']:.2f} ms = target {floors['target']:.2f} + head "
+            tqdm.write(f"[b={batch} K={k} a={a:g}] speedup {row['speedup']:.2f}x (tok/s vs "
+                       f"plain); step {m.step_ms:.2f} ms vs plain {base['step_ms']:.2f} ms; "
+                       f"floor {row['floor_ms']:.2f} ms = target {floors['target']:.2f} + head "
                        f"{floors['head']:.2f} + kv {floors['kv']:.2f}", file=sys.stderr)
 
 

@@ -2,37 +2,154 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import os
+import re
 import sys
 import time
 
+# name -> ("module:function" taking the command's own argv, one-line description)
+COMMANDS = {
+    "demo": ("onespec.demo:main",
+             "the bundled code model and its EAGLE-3 head: plain vs speculative, no arguments"),
+    "generate": ("onespec.cli:generate_main", "generate from one prompt, streaming the text"),
+    "serve": ("onespec.serve.cli:main", "OpenAI-compatible HTTP server"),
+    "bench": ("onespec.bench_cli:main",
+              "decode benchmark of a random-weight model, plain and speculative"),
+    "train": ("onespec.train.cli:main", "train an EAGLE-3 draft head for a target model"),
+}
+DEFAULT_K = 3
+# dependencies a command imports only when it runs (the server's)
+LATE_IMPORTS = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; '(default: X)' after every option that has a default
+    (not after None or a flag's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the defaults in --help, and a mistyped option answered with this
+    command's usage and the closest option: `--max-tokns` -> did you mean --max-tokens?"""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        """An unknown --option is reported as such before argparse parses, which could
+        otherwise take its value for a positional and complain about that instead."""
+        args = sys.argv[1:] if args is None else list(args)
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=")[0]          # with a space it is a value, as for argparse
+            if name.startswith("--") and " " not in name and not any(
+                    o.startswith(name) for o in self._option_string_actions):
+                self.error(f"unrecognized arguments: {arg}")
+        return super().parse_args(args, namespace)
+
+    def error(self, message):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            option = unknown.group(1).split("=")[0]
+            close = difflib.get_close_matches(option, list(self._option_string_actions), n=1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        super().error(message)
+
+
+# ---- engine options shared by generate and serve -----------------------------------------
 def _add_engine_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--draft", default=None, help="EAGLE-3 head directory")
-    p.add_argument("--k", type=int, default=3, help="draft length (with --draft)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (local)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 head directory: speculative decoding")
+    p.add_argument("--k", type=int, default=None,
+                   help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
     p.add_argument("--mtp", type=int, default=None, metavar="K",
                    help="draft K tokens with the target's own MTP layer (MTP-Eagle)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-tokens", type=int, default=2048)
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's limit)")
+    p.add_argument("--max-num-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: sized from memory)")
+
+
+def check_engine_args(parser: argparse.ArgumentParser, args):
+    """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
+    --draft and --mtp are two drafters, one at a time."""
+    if args.mtp is not None:
+        if args.draft is not None:
+            parser.error("--draft and --mtp are two drafters: pass one of them")
+        if args.k is not None:
+            parser.error("--k goes with --draft; with --mtp K the draft length is K")
+        if args.mtp < 1:
+            parser.error(f"--mtp must be >= 1, got {args.mtp}")
+        return
+    if args.draft is None:
+        if args.k is not None:
+            parser.error(f"--k {args.k} needs --draft (the EAGLE-3 head that proposes the "
+                         "drafts); without --draft onespec decodes plainly")
+        return
+    if args.k is None:
+        args.k = DEFAULT_K
+    if args.k < 1:
+        parser.error(f"--k must be >= 1 with --draft, got {args.k}; leave out --draft to "
+                     "decode without speculation")
+
+
+def resolve_model_dir(path: str, option: str) -> str:
+    """A local directory as given; a Hugging Face hub id from the local cache (no network);
+    anything else a FileNotFoundError naming the option."""
+    if os.path.isdir(path):
+        return path
+    if not os.path.exists(path) and HUB_ID.match(path):
+        try:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(path, local_files_only=True)
+        except Exception:                     # noqa: BLE001 - not cached: explained below
+            pass
+        raise FileNotFoundError(
+            f"{option} {path!r} is not a local directory: onespec loads local directories, "
+            "and this hub id is not in the local Hugging Face cache; download it first (e.g. "
+            f"`hf download {path} --local-dir DIR`) and pass {option} DIR")
+    raise FileNotFoundError(f"{option} directory {path!r} does not exist")
 
 
 def build_llm(args):
     from onespec import LLM, Eagle3Config, MTPConfig
-    if args.draft and args.mtp:
-        raise ValueError("--draft and --mtp are two drafters: pass one of them")
-    spec = Eagle3Config(args.draft, max_draft_len=args.k) if args.draft else \
+    model = resolve_model_dir(args.model, "--model")
+    draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K) if draft else \
         MTPConfig(num_nextn_predict_layers=args.mtp) if args.mtp else None
-    return LLM(args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
+    return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks)
 
 
+# ---- generate ------------------------------------------------------------------------------
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integer token ids such as 1,2,3, got {text!r}") from None
+
+
 def stream_request(llm, prompt, sp, out=sys.stdout):
-    """Runs one request to completion, writing text as tokens arrive. Returns the request."""
+    """Runs one request to completion, writing text as tokens arrive, and a final newline
+    (flushed, so what follows on stderr starts on its own line). Returns the request."""
     eng = llm.engine
     req = eng.add_request(prompt, sp)
     printed = ""
@@ -46,7 +163,17 @@ def stream_request(llm, prompt, sp, out=sys.stdout):
             out.flush()
             printed = text
     out.write("\n")
+    out.flush()
     return req
+
+
+def warn_if_cut(llm, prompt_ids: list[int], max_tokens: int):
+    limit = llm.engine.max_model_len
+    room = limit - len(prompt_ids)
+    if 0 < room < max_tokens:
+        print(f"onespec generate: warning: the prompt's {len(prompt_ids)} tokens + --max-tokens "
+              f"{max_tokens} exceed --max-model-len {limit}: the output stops after at most "
+              f"{room} tokens (finish_reason length)", file=sys.stderr)
 
 
 def cmd_generate(args):
@@ -55,9 +182,8 @@ def cmd_generate(args):
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                         ignore_eos=args.ignore_eos)
-    prompt = args.prompt
-    if args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
+    prompt = llm.engine.tokenize(args.prompt_ids if args.prompt is None else args.prompt)
+    warn_if_cut(llm, prompt, args.max_tokens)
     start = time.perf_counter()
     req = stream_request(llm, prompt, sp)
     elapsed = time.perf_counter() - start
@@ -67,42 +193,69 @@ def cmd_generate(args):
     if args.draft or args.mtp:
         line += (f", acceptance length {m.acceptance_length:.2f}, drafts accepted "
                  f"{m.num_accepted_draft_tokens}/{m.num_draft_tokens}")
-    print(line + "]", file=sys.stderr)
+    print(f"{line}, finish_reason {req.finish_reason}]", file=sys.stderr)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="onespec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate from one prompt, streaming the text")
+def generate_parser() -> Parser:
+    g = Parser(prog="onespec generate",
+               description="Generates from one prompt: the text streams to stdout, a stats line "
+                           "follows on stderr.")
     _add_engine_args(g)
-    g.add_argument("--prompt", default="")
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.set_defaults(func=cmd_generate)
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text prompt (the model needs tokenizer files)")
+    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated token ids: 1,2,3")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
+    return g
 
-    for name, module in (("demo", "onespec.demo"), ("serve", "onespec.serve.cli"),
-                         ("bench", "onespec.bench_cli"), ("train", "onespec.train.cli")):
-        p = sub.add_parser(name, help=f"see `onespec {name} --help`", add_help=False)
-        p.set_defaults(module=module)
 
-    args, rest = parser.parse_known_args(argv)
-    if hasattr(args, "module"):
-        import importlib
-        return importlib.import_module(args.module).main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+def generate_main(argv=None) -> int:
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    check_engine_args(parser, args)
     try:
-        args.func(args)
+        cmd_generate(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"onespec: error: {e}", file=sys.stderr)
+        print(f"onespec generate: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+def top_parser() -> Parser:
+    parser = Parser(prog="onespec", description=__doc__,
+                    epilog="`onespec COMMAND --help` lists a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, summary) in COMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = top_parser()
+    if argv and argv[0] in COMMANDS:
+        module, function = COMMANDS[argv[0]][0].split(":")
+        try:
+            return getattr(importlib.import_module(module), function)(argv[1:])
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in LATE_IMPORTS:
+                raise
+            print(f"onespec {argv[0]}: error: it needs {e.name!r}, which is not installed; "
+                  "install onespec's dependencies again: pip install -e . (from a checkout) "
+                  "or pip install onespec", file=sys.stderr)
+            return 2
+    if argv and not argv[0].startswith("-"):
+        close = [c for c in COMMANDS if c.startswith(argv[0])] or \
+            difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        parser.error(f"unknown command {argv[0]!r}{hint}; commands: {', '.join(COMMANDS)}")
+    parser.parse_args(argv)           # --help, or no command: prints and exits
+    return 2
 
 
 if __name__ == "__main__":

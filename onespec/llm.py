@@ -35,7 +35,8 @@ class LLM:
         try:
             for p, sp in zip(prompts, params):    # add_request may still reject (length)
                 reqs.append(self.engine.add_request(p, sp))
-            with tqdm(total=len(reqs), desc="generating", disable=not use_tqdm) as bar:
+            with tqdm(total=len(reqs), desc="generating",     # None: off a terminal, none
+                      disable=None if use_tqdm else True) as bar:
                 while self.engine.has_unfinished():
                     done = sum(r.is_finished for r in self.engine.step())
                     bar.update(done)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import torch
 
 from onespec import LLM, Eagle3Config, SamplingParams
-from onespec.demo import DEMO_DIR, HEAD_DIR, TARGET_DIR
+from onespec.demo import DEMO_DIR, HEAD_DIR, TARGET_DIR, report_speedup
 
 
 def test_bundled_pair_fits_and_loads_in_transformers():
@@ -36,5 +37,23 @@ def test_demo_smoke_runs():
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "identical output to plain decoding: yes" in proc.stdout
-    assert "acceptance length:" in proc.stdout and "speedup:" in proc.stdout
+    assert "acceptance length:" in proc.stdout
+    assert re.search(r"plain decoding: +[\d.]+ tok/s  \(median of 3 rounds of 16 tokens\)\n"
+                     r"speculative decoding: +[\d.]+ tok/s\n"
+                     r"speedup: [\d.]+x \(median of 3 rounds; spread [\d.]+x-[\d.]+x\)\n",
+                     proc.stdout), proc.stdout
+    assert "\033[" not in proc.stdout                    # no terminal codes in a pipe
     assert os.path.isdir(DEMO_DIR)
+
+
+def test_demo_speedup_reports_median_spread_and_unreliable_figures(capsys):
+    report_speedup([1.5, 1.0, 1.1])
+    assert capsys.readouterr().out == (
+        "speedup: 1.10x (median of 3 rounds; spread 1.00x-1.50x)\n"
+        "warning: the speedup varied by more than 20% between rounds, so this figure is "
+        "unreliable: another program is probably using the CPU. Run again on an idle machine "
+        "or with more --rounds.\n")
+    report_speedup([1.0, 1.05, 1.1])                          # spread 0.1 / 1.05 < 20 %
+    assert capsys.readouterr().out == "speedup: 1.05x (median of 3 rounds; spread 1.00x-1.10x)\n"
+    report_speedup([0.9])
+    assert capsys.readouterr().out.startswith("speedup: 0.90x (one round: no spread measured")

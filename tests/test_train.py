@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,3 +316,38 @@ def test_train_with_regenerate_caches_the_data(target_dir, tmp_path, monkeypatch
     monkeypatch.setattr("onespec.train.regen.regenerate", no_regeneration)
     _, history = train_eagle3(TrainConfig(**{**cfg, "resume": True, "max_steps": 3}))
     assert history[-1]["step"] == 3
+
+
+def test_cli_small_run_explains_its_length_and_writes_no_state(target_dir, tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "data.jsonl").write_text(
+        "".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"
+                for i in range(6)))
+    common = ["--device", "cpu", "--max-len", "32", "--ttt-steps", "2", "--draft-vocab", "30",
+              "--capture-layers", "0,2,4", "--max-steps", "2"]
+    relative = ["--target", os.path.relpath(target_dir, tmp_path), "--data", "data.jsonl",
+                "--out", "head"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
+    proc = subprocess.run([sys.executable, "-m", "onespec", "train", "eagle3", *relative,
+                           *common], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert ("onespec train: note: --max-steps 2, but the data makes 1 batch of --batch-tokens "
+            "8192 per epoch (6 samples, ") in proc.stderr
+    assert "x --epochs 1: training stops after 1 step; lower --batch-tokens or raise " \
+        "--epochs for more" in proc.stderr
+    assert "train eagle3" not in proc.stderr and "loading" not in proc.stderr  # no bars
+    assert "saved safeailab head to head after 1 steps" in proc.stdout
+    out = tmp_path / "head"
+    assert not (out / "checkpoint").exists()               # 1 step: no resumable state
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["target"] == target_dir and saved["data"] == str(tmp_path / "data.jsonl")
+    from onespec.cli import main
+    assert main(["train", "eagle3", "--target", target_dir, "--data",
+                 str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "kept"), *common,
+                 "--save-state", "--no-progress"]) == 0
+    assert torch.load(tmp_path / "kept" / "checkpoint" / "state.pt",
+                      weights_only=True)["step"] == 1

@@ -119,7 +119,9 @@ def _unreadable(file: str, e: Exception) -> ValueError:
 def iter_weights(path: str, desc: str = "loading weights"):
     """Yields (name, tensor) over every weight file of a checkpoint, with a progress bar."""
     files = checkpoint_files(path)
-    with tqdm(total=len(files), desc=desc, unit="file", leave=False) as bar:
+    # off a terminal no bar (disable=None); on one, every update drawn, so it ends at 100 %
+    with tqdm(total=len(files), desc=desc, unit="file", leave=False, disable=None,
+              mininterval=0) as bar:
         for file in files:
             opened = _open_weights(file)
             if isinstance(opened, dict):

@@ -80,4 +80,8 @@ def load_tokenizer(path: str):
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
     from transformers import AutoTokenizer     # slow to import; only when there is one
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # the engine checks lengths against max_model_len itself; transformers' own limit only
+    # adds an "indexing errors" warning before that message (or before a windowed sample)
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer

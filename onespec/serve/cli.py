@@ -8,19 +8,23 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from onespec.cli import _add_engine_args
-    p = argparse.ArgumentParser(prog="onespec serve",
-                                description="OpenAI-compatible HTTP server (see docs/SERVING.md)")
+    from onespec.cli import Parser, _add_engine_args
+    p = Parser(prog="onespec serve",
+               description="OpenAI-compatible HTTP server (see docs/SERVING.md)")
     _add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (loopback: local clients only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the model dir's basename)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* routes")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="answer 413 to a request body larger than this (default 8 MiB)")
-    p.add_argument("--log-level", default="info",
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template for /v1/chat/completions, a file or the template "
+                        "itself (default: the tokenizer's own)")
+    p.add_argument("--log-level", default="info", help="server log level",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     return p
@@ -40,8 +44,27 @@ def served_name(model_dir: str) -> str:
     return os.path.basename(os.path.normpath(model_dir))
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is Jinja."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    import jinja2
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e} "
+                         f"(line {e.lineno})") from None
+    return value
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from onespec.cli import check_engine_args
+    check_engine_args(parser, args)
     if not 0 <= args.port <= 65535:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
@@ -50,17 +73,18 @@ def main(argv=None) -> int:
         print("onespec serve: error: --max-request-body-bytes must be >= 1, got "
               f"{args.max_request_body_bytes}", file=sys.stderr)
         return 2
-    try:
-        import uvicorn
+    import uvicorn                  # a missing server module: one line from onespec.cli
 
-        from onespec.cli import build_llm
-        from onespec.serve.app import create_app
-    except ImportError as e:
-        print(f"onespec serve: error: {e}; install the server extras: "
-              "pip install 'onespec[serve]'", file=sys.stderr)
-        return 2
+    from onespec.cli import build_llm
+    from onespec.serve.app import create_app
     try:
+        template = read_chat_template(args.chat_template) if args.chat_template else None
         llm = build_llm(args)
+        if template is not None:
+            if llm.engine.tokenizer is None:
+                raise ValueError(f"--chat-template needs a tokenizer and {args.model!r} has "
+                                 "no tokenizer files")
+            llm.engine.tokenizer.chat_template = template
     except (ValueError, OSError) as e:          # bad files or settings: one line, no trace
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2

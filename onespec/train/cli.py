@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from onespec.cli import Parser, resolve_model_dir
 from onespec.train.trainer import FORMATS, TrainConfig, train_eagle3
+
+METHODS = {"eagle3": "train an EAGLE-3 draft head with training-time test"}
 
 
 def _layer_ids(text: str) -> tuple[int, ...]:
@@ -12,9 +15,16 @@ def _layer_ids(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onespec train", description=__doc__)
-    sub = parser.add_subparsers(dest="method", required=True)
-    p = sub.add_parser("eagle3", help="train an EAGLE-3 draft head with training-time test")
+    """`onespec train`: lists the methods (each parses its own options, eagle3_parser)."""
+    parser = Parser(prog="onespec train", description=__doc__)
+    sub = parser.add_subparsers(dest="method", metavar="METHOD", required=True)
+    for name, summary in METHODS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def eagle3_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="onespec train eagle3", description=METHODS["eagle3"])
     p.add_argument("--target", required=True, help="Hugging Face target model directory")
     p.add_argument("--data", required=True,
                    help=".jsonl/.jsonl.gz of {'text'}, {'messages'} or {'input_ids'} lines")
@@ -24,34 +34,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=32000,
                    help="draft vocab size (most frequent target tokens; capped at target V)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per training sample")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.02)
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup-ratio", type=float, default=0.02,
+                   help="share of the steps in linear warmup, then cosine decay")
     p.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens per optimizer step")
     p.add_argument("--capture-layers", type=_layer_ids, default=None,
                    help="comma-separated outputs-of layer ids (default 1,L//2-1,L-4)")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="safeailab")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="safeailab",
+                   help="checkpoint layout of the head")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     p.add_argument("--save-every", type=int, default=1000,
-                   help="steps between checkpoints in <out>/checkpoint (0: at the end only)")
+                   help="steps between resumable checkpoints in <out>/checkpoint (0: none)")
+    p.add_argument("--save-state", action="store_true",
+                   help="also keep the resumable state (head, optimizer, position) at the end "
+                        "of a run shorter than --save-every, to continue it with --resume")
     p.add_argument("--log", default=None, help="JSONL log file (default <out>/train_log.jsonl)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--regenerate", action="store_true",
                    help="first rewrite the data with the target's own greedy outputs")
-    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps (default: every batch of every "
+                        "epoch)")
     p.add_argument("--eval-data", default=None,
                    help="held-out records: per-step accuracy logged at each checkpoint")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return parser
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (there is none off a terminal anyway)")
+    return p
 
 
 def main(argv=None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    args.pop("method")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in METHODS:
+        build_parser().parse_args(argv)           # prints help or the error; exits
+        return 2
+    args = vars(eagle3_parser().parse_args(argv[1:]))
     try:
+        args["target"] = resolve_model_dir(args["target"], "--target")
         cfg = TrainConfig(**args)
         _, history = train_eagle3(cfg)
     except (ValueError, FileNotFoundError) as e:

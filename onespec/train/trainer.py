@@ -12,6 +12,8 @@ import json
 import math
 import os
 import random
+import stat
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -53,7 +55,8 @@ class TrainConfig:
     device: str = "auto"
     seed: int = 0
     capture_layers: tuple[int, ...] | None = None   # outputs-of ids; default (1, L//2-1, L-4)
-    save_every: int = 1000            # optimizer steps between checkpoints (0: only at the end)
+    save_every: int = 1000            # optimizer steps between checkpoints (0: none on the way)
+    save_state: bool = False          # keep the resumable state at the end of even a short run
     log: str | None = None            # JSONL log (default <out>/train_log.jsonl)
     log_every: int = 10
     resume: bool = False
@@ -177,8 +180,16 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         self.lengths = [len(s.input_ids) for s in self.samples]
-        total = cfg.epochs * len(make_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
-        self.total = min(total, cfg.max_steps) if cfg.max_steps else total
+        per_epoch = len(make_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
+        self.total = cfg.epochs * per_epoch
+        if cfg.max_steps and cfg.max_steps > self.total:
+            print(f"onespec train: note: --max-steps {cfg.max_steps}, but the data makes "
+                  f"{per_epoch} batch{'es' if per_epoch > 1 else ''} of --batch-tokens "
+                  f"{cfg.batch_tokens} per epoch ({len(self.samples)} samples, "
+                  f"{sum(self.lengths)} tokens) x --epochs {cfg.epochs}: training stops after "
+                  f"{self.total} step{'s' if self.total > 1 else ''}; lower --batch-tokens or "
+                  "raise --epochs for more", file=sys.stderr)
+        self.total = min(self.total, cfg.max_steps or self.total)
         self.warmup = max(1, int(cfg.warmup_ratio * self.total))
         self.meta = {"draft_vocab_size": self.head.config.draft_vocab_size,
                      "capture": list(self.capture), "ttt_steps": cfg.ttt_steps,
@@ -225,8 +236,9 @@ class Trainer:
         self.log_file.write(json.dumps(entry) + "\n")
         self.log_file.flush()
 
-    def save_point(self):
-        save_checkpoint(self.cfg.out, self.head, self.optimizer, self.pos, self.meta)
+    def save_point(self, state: bool = True):
+        if state:
+            save_checkpoint(self.cfg.out, self.head, self.optimizer, self.pos, self.meta)
         if self.eval_samples:
             self.log({"step": self.pos.step, "eval": True, **self.evaluate()})
 
@@ -236,7 +248,7 @@ class Trainer:
         self.log_file = open(log_path, "a" if pos.step else "w")
         meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
         bar = tqdm(total=self.total, initial=pos.step, desc="train eagle3",
-                   disable=not cfg.progress)
+                   disable=None if cfg.progress else True)      # None: off a terminal, none
         self.head.train()
         while pos.step < self.total and pos.epoch < cfg.epochs:
             batches = make_batches(self.lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
@@ -259,13 +271,28 @@ class Trainer:
             else:
                 pos.epoch, pos.batch = pos.epoch + 1, 0
         bar.close()
-        self.save_point()
+        # the final resumable state (optimizer included: 3x the head) only when asked for or
+        # when one was written on the way, which it then brings up to date
+        self.save_point(state=cfg.save_state or has_checkpoint(cfg.out))
         self.log_file.close()
+        self.save_head()
+        return self.head, self.history
+
+    def save_head(self):
+        """The head (config.json + model.safetensors) and train_config.json, whose paths are
+        absolute so they still point at the inputs from any directory."""
+        cfg = self.cfg
         save_eagle3_head(self.head, cfg.out, cfg.fmt, speculative_tokens=cfg.ttt_steps,
                          dtype=torch.bfloat16 if self.use_bf16 else None)
+        # safetensors writes 0600; give the weights the mode config.json got (the umask's)
+        mode = stat.S_IMODE(os.stat(os.path.join(cfg.out, "config.json")).st_mode)
+        os.chmod(os.path.join(cfg.out, "model.safetensors"), mode)
+        paths = {k: os.path.abspath(getattr(cfg, k)) for k in ("target", "data", "out",
+                                                                "log", "eval_data")
+                 if getattr(cfg, k) is not None}
         with open(os.path.join(cfg.out, "train_config.json"), "w") as f:
-            json.dump({**asdict(cfg), "capture_layers": list(self.capture)}, f, indent=2)
-        return self.head, self.history
+            json.dump({**asdict(cfg), **paths, "capture_layers": list(self.capture)}, f,
+                      indent=2)
 
 
 def train_eagle3(cfg: TrainConfig):

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* routes")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                   help="answer 413 to a request body larger than this (default 8 MiB)")
+                   help="answer 413 to a request body larger than this (8 MiB)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template for /v1/chat/completions, a file or the template "
                         "itself (default: the tokenizer's own)")

@@ -339,25 +339,12 @@ class DeepseekDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class DeepseekV3ForCausalLM(PagedCausalLM):
     config_class = DeepseekV3Config
 
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
-        super().__init__()      # ops: always the portable path here (supports_triton False)
-        self.config = cfg
-        self.model = DeepseekV3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # ops: always the portable path here (supports_triton False)
+        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i))
 
     def setup_rotary(self, max_positions: int, device):
         self.rotary = self.make_rotary(max_positions, device)

@@ -15,11 +15,14 @@ experts the batch routes to (the portable path).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
+from onespec.layers.norm import RMSNorm
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
 
@@ -94,17 +97,33 @@ class Float32Router(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
+class DecoderStack(nn.Module):
+    """embed_tokens, layers, norm: the `model.` part of a Hugging Face causal LM."""
+
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class PagedCausalLM(nn.Module):
     """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
     capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
-    over self.model.{embed_tokens, layers, norm} and self.lm_head. Subclasses build those
-    and the rotary table (setup_rotary). The portable path only: no Triton kernels."""
+    over self.model (a DecoderStack of make_layer(i) layers) and self.lm_head. Subclasses
+    give the layers and the rotary table (setup_rotary). The portable path only: no Triton
+    kernels."""
 
     supports_triton = False
 
-    def __init__(self):
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module]):
         super().__init__()
+        self.config = cfg
         self.rotary = None
+        self.model = DecoderStack(cfg, make_layer)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 capture: tuple[int, ...] = ()):

@@ -80,25 +80,12 @@ class Qwen3MoeDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen3MoeForCausalLM(PagedCausalLM):
     config_class = Qwen3MoeConfig
 
     def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()      # ops: always the portable path here (supports_triton False)
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # ops: always the portable path here (supports_triton False)
+        super().__init__(cfg, lambda i: Qwen3MoeDecoderLayer(cfg, i))
 
     def setup_rotary(self, max_positions: int, device):
         c = self.config

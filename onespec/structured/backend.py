@@ -15,6 +15,14 @@ COMPACT = (",", ":")           # JSON separators: no whitespace between tokens
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
+class GrammarError(ValueError):
+    """The grammar compiler rejected a spec: `kind` names the field, `detail` says why."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"structured_outputs.{kind} is invalid: {detail}")
+        self.kind, self.detail = kind, detail
+
+
 def import_xgrammar():
     try:
         import xgrammar
@@ -72,8 +80,7 @@ class GrammarBackend:
         try:
             compiled = self._compile(key)
         except Exception as e:      # the compiler raises RuntimeError (and its kin)
-            raise ValueError(f"structured_outputs.{key[0]} is invalid: "
-                             f"{compiler_message(e)}") from None
+            raise GrammarError(key[0], compiler_message(e)) from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:

@@ -166,6 +166,35 @@ def test_drafts_follow_the_grammar_and_invalid_drafts_are_rejected(plain, spec):
     assert_pool_full(spec)
 
 
+def test_chunked_prefill_and_preemption_keep_the_matchers_in_step(plain):
+    """Recomputed requests resume their grammar where their output left it."""
+    cases = CASES[:4] + CASES[5:]
+    prompts = [PROMPTS[i % len(PROMPTS)] * 3 for i in range(len(cases))]
+    params = [constrained(so) for _, _, so in cases]
+    ref = plain.generate(prompts, params)
+    tight = LLM(TARGET_DIR, device="cpu", dtype="float32", block_size=4, max_model_len=64,
+                num_kv_blocks=24, max_num_tokens=16,
+                speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3))
+    out = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
+    assert_pool_full(tight)
+
+
+def test_forced_acceptance_emits_valid_runs():
+    """Benchmark mode (forced acceptance counts) under a constraint: the emitted runs are the
+    masked drafts and the target's token after them, so the output stays valid."""
+    llm = LLM(TARGET_DIR, device="cpu", dtype="float32", speculative_config=Eagle3Config(
+        HEAD_DIR, max_draft_len=3, force_acceptance_length=3.5))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(CASES))]
+    out = llm.generate(prompts, [constrained(so) for _, _, so in CASES])
+    for (kind, value, _), o in zip(CASES, out):
+        assert o.outputs[0].finish_reason == "stop", (kind, o.outputs[0].text)
+        check(kind, value, o.outputs[0].text)
+    assert llm.stats()["acceptance_length"] > 2
+    assert_pool_full(llm)
+
+
 def test_grammar_end_stops_even_with_ignore_eos(plain):
     so = StructuredOutputsParams(choice=["yes", "no"])
     out = plain.generate(PROMPTS[1], constrained(so, ignore_eos=True))[0].outputs[0]

@@ -142,8 +142,8 @@ class ModelRunner:
             relaxed_delta=None if self.worker.relaxed_topk is None else torch.tensor(
                 [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
                  for r in batch.generation], dtype=torch.float32, device=dev),
-            grammar=StepGrammar(self.grammar_backend.xgr, batch, draft_rows, draft_reqs,
-                                self.vocab_size, dev) if StepGrammar.needed(batch) else None,
+            grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)
+            if StepGrammar.needed(batch) else None,
         )
 
     def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:

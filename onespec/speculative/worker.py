@@ -14,8 +14,8 @@ from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata
                                       build_attention_metadata)
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
-from onespec.speculative.acceptance import (forced_num_accepted, rejection_accept, relaxed_accept,
-                                            strict_accept)
+from onespec.speculative.acceptance import (forced_num_accepted, forced_run, rejection_accept,
+                                            relaxed_accept, strict_accept)
 from onespec.speculative.drafter import Drafter
 from onespec.structured.step import RowMask, StepGrammar
 
@@ -117,6 +117,8 @@ class SpecWorker:
             self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
                                                self.step_counter, rows.device)
+            if inp.grammar is not None and k:   # emit the (grammar-valid) drafts, then the
+                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)  # target's
         return tokens, accepted, num_accepted
 
     def _target_logits(self, rows, mask: RowMask | None):

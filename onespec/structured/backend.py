@@ -10,6 +10,7 @@ from collections import OrderedDict
 from onespec.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 256               # compiled grammars kept (least recently used dropped)
+FILL_THREADS = 4               # threads filling a batch's bitmasks
 COMPACT = (",", ":")           # JSON separators: no whitespace between tokens
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -47,6 +48,7 @@ class GrammarBackend:
         self.stop_token_ids = list(stop_token_ids)
         self._xgr = None
         self._compiler = None
+        self.filler = None             # xgrammar BatchGrammarMatcher: fills many masks at once
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -61,6 +63,7 @@ class GrammarBackend:
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self.filler = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
                 self._xgr = xgr
         return self._xgr
 

@@ -51,12 +51,13 @@ class _Slot:
 
 
 class StepGrammar:
-    def __init__(self, xgr, batch: "ScheduledBatch", drafts: list[list[int]],
-                 draft_reqs: list[int], vocab_size: int, device):
-        """drafts: [Bg][K] the drafts each generation request verifies; draft_reqs: batch
-        indices of the requests that draft this step (context chunks first)."""
-        self.xgr, self.vocab_size, self.device = xgr, vocab_size, device
-        self.filler = xgr.BatchGrammarMatcher(max_threads=1)
+    def __init__(self, backend, batch: "ScheduledBatch", drafts: list[list[int]],
+                 draft_reqs: list[int], device):
+        """backend: the GrammarBackend; drafts: [Bg][K] the drafts each generation request
+        verifies; draft_reqs: batch indices of the requests that draft this step (context
+        chunks first)."""
+        self.xgr, self.vocab_size, self.device = backend.xgr, backend.vocab_size, device
+        self.filler = backend.filler
         self.verify = self._verify_mask(batch, drafts)
         num_ctx = len(batch.context)
         reqs = batch.requests

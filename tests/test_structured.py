@@ -237,3 +237,27 @@ def test_sampling_params_takes_only_structured_outputs_params():
         SamplingParams(structured_outputs={"regex": "a"})
     so = StructuredOutputsParams(json='{"type": "object"}')
     assert so.json == {"type": "object"} and so.kind == "json"
+
+
+@pytest.mark.parametrize("vanilla,k", [(False, 3), (True, 2)])
+def test_mtp_greedy_equals_plain_under_constraints(tmp_path, vanilla, k):
+    """MTP drafting (a tiny DeepSeek-V3 target with a byte-level tokenizer of its vocab)."""
+    from moe_utils import add_mtp_layers, make_deepseek_model
+    from onespec import MTPConfig
+    from test_serve import write_tokenizer
+    hf = make_deepseek_model(tmp_path, mtp_layers=2, vocab_size=300)
+    add_mtp_layers(tmp_path, hf, 2)
+    write_tokenizer(tmp_path, 300, chat_template=None)
+    cases = [CASES[1], CASES[5], CASES[6], CASES[7]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
+    params = [constrained(so) for _, _, so in cases]
+    ref = LLM(str(tmp_path), device="cpu", dtype="float32").generate(prompts, params)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", speculative_config=MTPConfig(
+        num_nextn_predict_layers=k, use_mtp_vanilla=vanilla))
+    out = llm.generate(prompts, params)
+    for (kind, value, _), r, o in zip(cases, ref, out):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
+        if r.outputs[0].finish_reason == "stop":
+            check(kind, value, r.outputs[0].text)
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_pool_full(llm)

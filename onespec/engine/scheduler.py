@@ -207,8 +207,8 @@ class Scheduler:
         request: "stop" once the grammar has terminated, "error" if it rejects the token
         (masking makes that impossible unless something is broken)."""
         if not req.grammar.accept_token(token):
-            req.error = f"the grammar rejected token {token} after {len(req.output_token_ids) - 1} " \
-                        "output tokens"
+            req.error = f"the grammar rejected token {token} after " \
+                        f"{len(req.output_token_ids) - 1} output tokens"
             self._finish(req, "error")
             return True
         if req.grammar.is_terminated():

@@ -1,6 +1,7 @@
 """Structured outputs on the bundled demo pair (a real byte-level tokenizer): JSON schemas,
 regex, choice and EBNF constraints, greedy and sampled, plain and speculative; the
-masks along the draft path and the matchers' rollback."""
+masks along the draft path and the matchers' rollback. Engines run on ONESPEC_TEST_DEVICE
+like the other equivalence tests."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import assert_pool_full  # noqa: E402
+from conftest import TEST_DEVICE, assert_pool_full  # noqa: E402
 from onespec import LLM, Eagle3Config, SamplingParams, StructuredOutputsParams  # noqa: E402
 from onespec.demo import HEAD_DIR, TARGET_DIR  # noqa: E402
 
@@ -44,18 +45,18 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(TARGET_DIR, device="cpu", dtype="float32")
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM(TARGET_DIR, device="cpu", dtype="float32",
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32",
                speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3))
 
 
 @pytest.fixture(scope="module")
 def spec_rs():
-    return LLM(TARGET_DIR, device="cpu", dtype="float32",
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32",
                speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3,
                                                use_rejection_sampling=True))
 
@@ -172,8 +173,8 @@ def test_chunked_prefill_and_preemption_keep_the_matchers_in_step(plain):
     prompts = [PROMPTS[i % len(PROMPTS)] * 3 for i in range(len(cases))]
     params = [constrained(so) for _, _, so in cases]
     ref = plain.generate(prompts, params)
-    tight = LLM(TARGET_DIR, device="cpu", dtype="float32", block_size=4, max_model_len=64,
-                num_kv_blocks=24, max_num_tokens=16,
+    tight = LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", block_size=4,
+                max_model_len=64, num_kv_blocks=24, max_num_tokens=16,
                 speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3))
     out = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -184,7 +185,7 @@ def test_chunked_prefill_and_preemption_keep_the_matchers_in_step(plain):
 def test_forced_acceptance_emits_valid_runs():
     """Benchmark mode (forced acceptance counts) under a constraint: the emitted runs are the
     masked drafts and the target's token after them, so the output stays valid."""
-    llm = LLM(TARGET_DIR, device="cpu", dtype="float32", speculative_config=Eagle3Config(
+    llm = LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         HEAD_DIR, max_draft_len=3, force_acceptance_length=3.5))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(CASES))]
     out = llm.generate(prompts, [constrained(so) for _, _, so in CASES])
@@ -251,8 +252,8 @@ def test_mtp_greedy_equals_plain_under_constraints(tmp_path, vanilla, k):
     cases = [CASES[0], CASES[2], CASES[5], CASES[6], CASES[7]]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
     params = [constrained(so) for _, _, so in cases]
-    ref = LLM(str(tmp_path), device="cpu", dtype="float32").generate(prompts, params)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", speculative_config=MTPConfig(
+    ref = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
+    llm = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32", speculative_config=MTPConfig(
         num_nextn_predict_layers=k, use_mtp_vanilla=vanilla))
     out = llm.generate(prompts, params)
     for (kind, value, _), r, o in zip(cases, ref, out):

@@ -99,7 +99,7 @@ def test_completion_fields_and_aliases(server, extra, check):
                           "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format", 'response_format.json_schema.schema is invalid: Unsupported type'),
     ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs",
-     "structured_outputs is invalid: Regex parsing error"),
+     "structured_outputs.regex is invalid: Regex parsing error"),
     ({"guided_grammar": "root ::= nothing"}, "guided_grammar",
      "guided_grammar is invalid: EBNF parser error"),
     ({"guided_json": "{not json"}, "guided_json", "guided_json is not valid JSON"),

@@ -172,13 +172,15 @@ class OpenAIServing:
                    include_usage=req.include_usage())
 
     def _compile(self, structured, field: str):
+        """Compiles the request's grammar here, so the engine finds it in the cache."""
+        param = field.split(".")[0]
         try:
             self.grammars.compile(structured)
         except GrammarError as e:
-            raise APIError(f"{field} is invalid: {e.detail}", param=field.split(".")[0]) \
-                from None
-        except ValueError as e:              # e.g. a model without a tokenizer
-            raise APIError(str(e), param=field.split(".")[0]) from None
+            name = f"{field}.{e.kind}" if field == "structured_outputs" else field
+            raise APIError(f"{name} is invalid: {e.detail}", param=param) from None
+        except (ValueError, ImportError) as e:   # no tokenizer, or xgrammar not installed
+            raise APIError(str(e), param=param) from None
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -3,7 +3,8 @@ from onespec.config import Eagle3Config, EngineConfig, MTPConfig
 from onespec.llm import LLM
 from onespec.outputs import CompletionOutput, RequestOutput
 from onespec.sampling_params import SamplingParams
+from onespec.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "Eagle3Config", "MTPConfig", "EngineConfig",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from onespec.structured.params import StructuredOutputsParams
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # Temperatures below this are greedy: logits / T would leave float32's range.
 MIN_TEMPERATURE = 1e-5
@@ -41,6 +43,8 @@ class SamplingParams:
                      output does not depend on the batch, chunking or preemption
     stop_token_ids   integers in [0, 2**63 - 1] (the engine also checks them against the
                      vocabulary)
+    structured_outputs  None, or a StructuredOutputsParams: the output follows its JSON
+                     schema, regex, choice or grammar and ends ("stop") when it is complete
     Booleans are not integers here, and strings are not numbers.
     """
     max_tokens: int = 16
@@ -50,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -77,6 +82,9 @@ class SamplingParams:
                                  f"got {t!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be None or a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

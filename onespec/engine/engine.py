@@ -29,6 +29,7 @@ from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.thinking import ThinkingPhase
 from onespec.speculative.worker import SpecWorker
+from onespec.structured.backend import GrammarBackend
 
 CPU_KV_BUDGET_BYTES = 4 << 30
 
@@ -97,8 +98,10 @@ class Engine:
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
+        # structured outputs: xgrammar is imported when the first constrained request comes
+        self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
-                                  mcfg.sliding_window, graphs)
+                                  mcfg.sliding_window, graphs, self.grammars)
         if graphs is not None:
             graphs.capture(k)
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
@@ -205,6 +208,8 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         req = Request(rid, ids, sp)
+        if sp.structured_outputs is not None:      # compiled once per spec (cached)
+            req.grammar = self.grammars.matcher(sp.structured_outputs)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req

@@ -10,6 +10,7 @@ from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
 from onespec.speculative.worker import SpecWorker, StepInputs
+from onespec.structured.step import StepGrammar
 
 PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
@@ -25,7 +26,7 @@ def drafting_requests(batch: ScheduledBatch) -> list[int]:
 
 class ModelRunner:
     def __init__(self, worker: SpecWorker, block_size: int, device, vocab_size: int,
-                 sliding_window: int | None = None, graphs=None):
+                 sliding_window: int | None = None, graphs=None, grammar_backend=None):
         self.worker = worker
         self.graphs = graphs          # CudaGraphRunner or None
         self.greedy = GreedySampling(device)
@@ -33,6 +34,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window
+        self.grammar_backend = grammar_backend   # GrammarBackend (structured outputs)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         if self.can_launch(batch):
@@ -64,8 +66,10 @@ class ModelRunner:
         )
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
-        """Whether the batch runs as a graph step that can be launched and collected later."""
-        return self.graphs is not None and self.graphs.can_run(batch)
+        """Whether the batch runs as a graph step that can be launched and collected later
+        (never with grammar-constrained requests: their masks come from the host)."""
+        return self.graphs is not None and self.graphs.can_run(batch) and \
+            not StepGrammar.needed(batch)
 
     def can_follow(self, after: PendingStep, batch: ScheduledBatch) -> bool:
         """Whether `batch` can be launched chained to `after` (launch)."""
@@ -138,6 +142,8 @@ class ModelRunner:
             relaxed_delta=None if self.worker.relaxed_topk is None else torch.tensor(
                 [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
                  for r in batch.generation], dtype=torch.float32, device=dev),
+            grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)
+            if StepGrammar.needed(batch) else None,
         )
 
     def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ class Request:
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
+    grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

@@ -192,6 +192,8 @@ class Scheduler:
         for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
             req.metrics.num_generated_tokens += 1
+            if req.grammar is not None and self._grammar_ends(req, t):
+                return i + 1
             if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_ids:
                 self._finish(req, "stop")
                 return i + 1
@@ -199,6 +201,20 @@ class Scheduler:
                 self._finish(req, "length")
                 return i + 1
         return len(tokens)
+
+    def _grammar_ends(self, req: Request, token: int) -> bool:
+        """Feeds an emitted token to the request's grammar matcher; True when that ended the
+        request: "stop" once the grammar has terminated, "error" if it rejects the token
+        (masking makes that impossible unless something is broken)."""
+        if not req.grammar.accept_token(token):
+            req.error = f"the grammar rejected token {token} after " \
+                        f"{len(req.output_token_ids) - 1} output tokens"
+            self._finish(req, "error")
+            return True
+        if req.grammar.is_terminated():
+            self._finish(req, "stop")
+            return True
+        return False
 
     def _finish(self, req: Request, reason: str):
         req.status = RequestStatus.FINISHED

@@ -223,3 +223,14 @@ def sample(logits: Tensor,                # [N, V]
         return logits.argmax(-1)
     probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)
     return sample_from_probs(probs, default_generator, st.seeded)
+
+
+def masked_logits(logits: Tensor,    # [N, V]
+                  bitmask: Tensor,   # [N, ceil(V / 32)] int32 token bitmask (xgrammar's)
+                  ) -> Tensor:       # [N, V] float32
+    """logits with every token whose bit is 0 set to -inf (grammar masks; the bitmask is on
+    the logits' device). Returns float32 logits, masked in place when they were already."""
+    from onespec.structured.backend import import_xgrammar
+    logits = logits.float()
+    import_xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+    return logits

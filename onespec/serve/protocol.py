@@ -7,11 +7,13 @@ served requests share one set of rules and messages.
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from onespec.sampling_params import SamplingParams
+from onespec.structured.params import StructuredOutputsParams
 from onespec.serve.errors import APIError, validation_error
 
 MAX_STOP_STRINGS = 64          # stop strings per request
@@ -42,6 +44,35 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": content or ""}
 
 
+class JSONSchemaFormat(_Strict):
+    name: str
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None          # the schema is always enforced exactly
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def fields(self) -> dict:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar, "json_object": self.json_object}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str
@@ -58,6 +89,49 @@ class _GenerationRequest(_Strict):
     top_k: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (one of them per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint and the field that gave it (APIError 400 if malformed)."""
+        sources = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            sources.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            sources.append(("response_format.json_schema.schema",
+                            {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            sources.append(("structured_outputs", self.structured_outputs.fields()))
+        for alias, kind in GUIDED_ALIASES.items():
+            if getattr(self, alias) is not None:
+                sources.append((alias, {kind: getattr(self, alias)}))
+        if not sources:
+            return None, ""
+        if len(sources) > 1:
+            names = [name.split(".")[0] for name, _ in sources]
+            raise APIError(f"give at most one of response_format, structured_outputs and the "
+                           f"guided_* fields, got {', '.join(names)}", param=names[1])
+        field, kwargs = sources[0]
+        try:
+            return StructuredOutputsParams(**kwargs), field
+        except ValueError as e:
+            message = str(e)
+            if field != "structured_outputs":       # name the field the client used
+                message = message.replace("structured_outputs must set exactly one of "
+                                          "json, regex, choice, grammar or json_object",
+                                          f"{field} must not be empty")
+                message = re.sub(r"^structured_outputs\.\w+", field, message)
+            raise APIError(message, param=field.split(".")[0]) from None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -85,11 +159,12 @@ class _GenerationRequest(_Strict):
         if self.n is not None and self.n > 1:
             raise APIError("n > 1 is not supported", param="n")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Builds SamplingParams; a ValueError (which names the field) becomes a 400."""
         max_tokens, max_tokens_field = self.requested_max_tokens()
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                      ignore_eos=self.ignore_eos,
+                      ignore_eos=self.ignore_eos, structured_outputs=structured,
                       stop_token_ids=self.stop_token_ids or [], seed=self.seed)
         for name in ("temperature", "top_p", "top_k"):
             value = getattr(self, name)

@@ -22,6 +22,7 @@ from onespec.serve.errors import STATUS_CLIENT_CLOSED, APIError
 from onespec.serve.metrics import ServerMetrics
 from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, sse
+from onespec.structured.backend import GrammarError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 # A text longer than max_model_len * (longest token in characters) * this has more tokens
@@ -64,10 +65,12 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.config.vocab_size
+        self.grammars = engine.grammars     # thread-safe: compiles on the tokenizer thread
         self.metrics = metrics
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
-        # parsing bodies, chat templates and tokenizing run here, off the event loop; one
+        # parsing bodies, chat templates, tokenizing and compiling grammars run here, off the
+        # event loop (the engine then finds each compiled grammar in the cache); one
         # thread, so two encodes never overlap (transformers may reset a fast tokenizer's
         # truncation settings before encoding, which another encode must not see)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onespec-tokenize")
@@ -160,10 +163,24 @@ class OpenAIServing:
         stop = req.stop_strings()
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
-        sp = req.sampling_params(default_max_tokens)
+        structured, field = req.structured()
+        sp = req.sampling_params(default_max_tokens, structured)
+        if structured is not None:
+            self._compile(structured, field)
         detok = IncrementalDetokenizer(self._decode, stop)
         return Job(kind, self.model_name, ids, sp, detok, return_token_ids=req.return_token_ids,
                    include_usage=req.include_usage())
+
+    def _compile(self, structured, field: str):
+        """Compiles the request's grammar here, so the engine finds it in the cache."""
+        param = field.split(".")[0]
+        try:
+            self.grammars.compile(structured)
+        except GrammarError as e:
+            name = f"{field}.{e.kind}" if field == "structured_outputs" else field
+            raise APIError(f"{name} is invalid: {e.detail}", param=param) from None
+        except (ValueError, ImportError) as e:   # no tokenizer, or xgrammar not installed
+            raise APIError(str(e), param=param) from None
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -116,6 +116,20 @@ def forced_num_accepted(acceptance_length: float, num_requests: int, k: int, ste
     return _forced_counts[key][idx]
 
 
+def forced_run(draft_tokens: Tensor,   # [B, K] int64
+               target_tokens: Tensor,  # [B, K+1] int64
+               num_accepted: Tensor,   # [B] int64 in [1, K+1] (forced)
+               ) -> Tensor:            # [B, K+1] int64
+    """A forced count's emitted tokens as drafts then the target's token at the row the run
+    stops: [d_1 .. d_(n-1), t_(n-1)], the sequence the rows' grammar masks assumed.
+
+    drafts [5, 6, 7], targets [1, 2, 3, 4], n 3 -> [5, 6, 3, 4] (entries past n: don't-care).
+    """
+    last = (num_accepted - 1).unsqueeze(-1)                           # [B, 1]
+    out = torch.cat([draft_tokens, target_tokens[:, -1:]], dim=1)     # [B, K+1]
+    return out.scatter_(1, last, target_tokens.gather(1, last))
+
+
 def relaxed_accept(draft_tokens: Tensor,   # [B, K] int64
                    target_logits: Tensor,  # [B, K+1, V]
                    delta: Tensor,          # [B] float: relaxed_delta inside thinking, else 0

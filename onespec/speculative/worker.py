@@ -12,11 +12,12 @@ import torch
 
 from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
                                       build_attention_metadata)
-from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, probs_from_logits, sample,
-                                    sample_from_probs)
-from onespec.speculative.acceptance import (forced_num_accepted, rejection_accept, relaxed_accept,
-                                            strict_accept)
+from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
+                                    probs_from_logits, sample, sample_from_probs)
+from onespec.speculative.acceptance import (forced_num_accepted, forced_run, rejection_accept,
+                                            relaxed_accept, strict_accept)
 from onespec.speculative.drafter import Drafter
+from onespec.structured.step import RowMask, StepGrammar
 
 
 @dataclass
@@ -42,6 +43,7 @@ class StepInputs:
     max_kv_draft: int                # host bound on draft-step key lengths
     block_size: int
     relaxed_delta: torch.Tensor | None = None  # [Bg] thinking delta (relaxed acceptance)
+    grammar: StepGrammar | None = None   # masks of constrained requests (structured outputs)
 
 
 @dataclass
@@ -69,6 +71,13 @@ class SpecWorker:
 
     @torch.inference_mode()
     def step(self, inp: StepInputs) -> StepResults:
+        try:
+            return self._step(inp)
+        finally:          # the grammar matchers keep only what postprocess feeds them
+            if inp.grammar is not None:
+                inp.grammar.rollback()
+
+    def _step(self, inp: StepInputs) -> StepResults:
         capture = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
         rows = hidden[inp.logit_rows]
@@ -86,8 +95,9 @@ class SpecWorker:
         """rows [R, H]: the target's hidden rows whose next tokens are sampled."""
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
         st = inp.row_sampling
+        mask = inp.grammar.verify if inp.grammar is not None else None
         if self.use_rejection_sampling and bg and k:
-            logits = self.target.compute_logits(rows)                                # [R, V]
+            logits = self._target_logits(rows, mask)                                 # [R, V]
             probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
             tokens = sample_from_probs(probs[:bc], self.generator, st.seeded_head(bc))
             target_probs = probs[bc:].view(bg, k + 1, -1)
@@ -95,8 +105,8 @@ class SpecWorker:
                 inp.draft_tokens, inp.draft_probs, target_probs,
                 inp.gen_sampling.seeded, self.generator)
         else:
-            sampled = self.target.greedy_tokens(rows) if st.all_greedy else \
-                sample(self.target.compute_logits(rows), st, self.generator)          # [R]
+            sampled = self._target_greedy(rows, mask) if st.all_greedy else \
+                sample(self._target_logits(rows, mask), st, self.generator)          # [R]
             tokens = sampled[:bc]
             accepted, num_accepted = sampled[bc:].view(bg, k + 1), None
             if not self._forcing(bg):       # (a forced count needs no comparison)
@@ -107,7 +117,29 @@ class SpecWorker:
             self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
                                                self.step_counter, rows.device)
+            if inp.grammar is not None and k:   # emit the (grammar-valid) drafts, then the
+                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)  # target's
         return tokens, accepted, num_accepted
+
+    def _target_logits(self, rows, mask: RowMask | None):
+        """The target's logits of hidden rows [R, H], grammar-masked rows masked: [R, V]."""
+        logits = self.target.compute_logits(rows)
+        if mask is not None:
+            logits = logits.float()
+            logits[mask.index] = masked_logits(logits[mask.index], mask.bitmask)
+        return logits
+
+    def _target_greedy(self, rows, mask: RowMask | None):
+        """Greedy tokens of hidden rows [R, H] -> [R]: the fused argmax for free rows, the
+        argmax of masked logits for constrained ones."""
+        if mask is None:
+            return self.target.greedy_tokens(rows)
+        tokens = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+        if mask.free.numel():
+            tokens[mask.free] = self.target.greedy_tokens(rows[mask.free])
+        logits = self.target.compute_logits(rows[mask.index])
+        tokens[mask.index] = masked_logits(logits, mask.bitmask).argmax(-1)
+        return tokens
 
     def _relaxing(self, inp: StepInputs) -> bool:
         return (inp.relaxed_delta is not None and inp.num_gen > 0 and inp.k > 0
@@ -116,8 +148,12 @@ class SpecWorker:
     def _accept_relaxed(self, inp: StepInputs, rows):
         """Greedy acceptance with relaxed_accept; returns the [Bg, K] relaxed-only mask too."""
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
-        tokens = self.target.greedy_tokens(rows[:bc])                                # [Bc]
-        logits = self.target.compute_logits(rows[bc:]).view(bg, k + 1, -1)           # [Bg, K+1, V]
+        if inp.grammar is not None and inp.grammar.verify is not None:
+            logits = self._target_logits(rows, inp.grammar.verify)                   # [R, V]
+            tokens, logits = logits[:bc].argmax(-1), logits[bc:].view(bg, k + 1, -1)
+        else:
+            tokens = self.target.greedy_tokens(rows[:bc])                            # [Bc]
+            logits = self.target.compute_logits(rows[bc:]).view(bg, k + 1, -1)       # [Bg, K+1, V]
         accepted, num_accepted, relaxed = relaxed_accept(inp.draft_tokens, logits,
                                                          inp.relaxed_delta, self.relaxed_topk)
         return tokens, accepted, num_accepted, relaxed
@@ -153,6 +189,8 @@ class SpecWorker:
         block_tables = inp.block_tables[inp.draft_reqs] if inp.num_ctx else inp.block_tables
         drafts, probs = [], []
         meta = None
+        grammar = inp.grammar
+        mask = None if grammar is None else grammar.start(context_tokens, accepted, num_accepted)
         for step in range(k):
             if step > 0:
                 pos = pos + 1
@@ -160,16 +198,20 @@ class SpecWorker:
                                                 inp.max_kv_draft, None, self.attn_backend) \
                     if meta is None else advance_decode_metadata(meta, pos)
                 h = self.drafter.forward(drafts[-1], pos, h, meta, step=step)
-            token, q = self._pick(h, inp.draft_sampling, pos)
+            token, q = self._pick(h, inp.draft_sampling, pos, mask)
             drafts.append(token)
             probs.append(q)
+            if grammar is not None and step < k - 1:      # a host round trip per draft step
+                mask = grammar.advance(token)
         draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
         return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
 
-    def _pick(self, h, st: SamplingTensors, pos):
+    def _pick(self, h, st: SamplingTensors, pos, mask: RowMask | None = None):
         """Draft token per request from the draft hidden rows h at positions pos [Bd]: argmax,
         or a sample from q with rejection sampling. Returns [Bd] target ids and q [Bd, V]
-        (None without rejection sampling)."""
+        (None without rejection sampling). mask: grammar masks of constrained rows."""
+        if mask is not None:
+            return self._pick_masked(h, st, pos, mask)
         if not self.use_rejection_sampling:
             return self.drafter.greedy_target_ids(h), None
         draft_logits = self.drafter.compute_logits(h)                        # [B, Vd]
@@ -180,3 +222,20 @@ class SpecWorker:
         q_target = q.new_zeros(q.shape[0], self.target.config.vocab_size)
         q_target[:, self._vocab_ids] = q
         return token, q_target                                               # [B], [B, V]
+
+    def _pick_masked(self, h, st: SamplingTensors, pos, mask: RowMask):
+        """_pick with the draft logits spread over the target vocabulary and grammar-masked.
+        A row whose grammar allows no token of the draft vocabulary stays unmasked (its draft
+        is rejected by verification)."""
+        draft_logits = self.drafter.compute_logits(h).float()               # [B, Vd]
+        full = draft_logits.new_full((h.shape[0], self.target.config.vocab_size),
+                                     float("-inf"))
+        full[:, self._vocab_ids] = draft_logits                              # [B, V]
+        rows = full[mask.index]
+        masked = masked_logits(rows.clone(), mask.bitmask)
+        none_allowed = torch.isneginf(masked.amax(-1, keepdim=True))
+        full[mask.index] = torch.where(none_allowed, rows, masked)
+        if not self.use_rejection_sampling:
+            return full.argmax(-1), None
+        q = probs_from_logits(full, st.temperature, st.top_k, st.top_p)     # [B, V]
+        return sample_from_probs(q, self.generator, st.seeded_at(pos + 1), DRAFT_DRAW), q

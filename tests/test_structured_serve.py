@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import assert_pool_full  # noqa: E402
-from test_serve import API_KEY, CHAT_TEMPLATE, Server  # noqa: E402
+from test_serve import CHAT_TEMPLATE, Server  # noqa: E402
 from onespec import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from onespec.demo import HEAD_DIR, TARGET_DIR  # noqa: E402
 

@@ -123,8 +123,8 @@ class Eagle3Config:
 
 @dataclass
 class MTPConfig:
-    """Drafting with the target's own multi-token-prediction layers (SPEC.md §6), and
-    relaxed acceptance inside a thinking phase (SPEC.md §4; lossy, greedy requests only)."""
+    """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP"),
+    and relaxed acceptance inside a thinking phase ("Acceptance"; lossy, greedy only)."""
     num_nextn_predict_layers: int = 1      # K: drafts per step
     use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
     use_relaxed_acceptance_for_thinking: bool = False

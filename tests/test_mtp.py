@@ -57,7 +57,7 @@ def test_greedy_lossless(target, mode, k, engine_kw):
 @torch.no_grad()
 def reference_drafts(hf, mtp, tokens: list[int], k: int):
     """MTP-Eagle drafts for a request whose committed tokens are `tokens`, recomputed
-    without any cache from transformers modules (SPEC.md §6): rows at positions 0..n-2
+    without any cache from transformers modules (docs/DECODING.md, "MTP"): rows at positions 0..n-2
     carry (token p+1, target's final hidden p); step j adds a row (draft j, output of the
     row before). Also returns each step's top-2 logit margin (near-ties are float noise)."""
     embed = mtp.embed if mtp.embed is not None else hf.model.embed_tokens
@@ -167,7 +167,7 @@ def test_accepted_drafts_count_only_emitted_tokens(target, cut):
     assert_pool_full(llm)
 
 
-# ---- relaxed acceptance (SPEC.md §4) ------------------------------------------------------
+# ---- relaxed acceptance (docs/DECODING.md, "Acceptance") -----------------------------------
 def _logits(rows):
     return torch.tensor(rows).log().unsqueeze(0)                    # [1, K+1, V]
 

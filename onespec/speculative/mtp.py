@@ -1,4 +1,4 @@
-"""MTP drafting (SPEC.md §6) behind the drafter interface of spec/drafters.py.
+"""MTP drafting (docs/DECODING.md, "MTP") behind the drafter interface of drafter.py.
 
 MTP-Eagle (default): the first MTP layer applied K times. Step 0 reads the target's final
 post-norm hidden state of every row; each step's output (shared_head.norm of the block) is

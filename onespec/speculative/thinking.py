@@ -1,4 +1,4 @@
-"""The thinking phase of each request, for relaxed acceptance (SPEC.md §4).
+"""The thinking phase of each request, for relaxed acceptance (docs/DECODING.md, "Acceptance").
 
 A request's `thinking_delta` is relaxed_delta inside a thinking phase and 0 outside it:
 walking its tokens in order, `begin_thinking_phase_token` opens the phase and

@@ -72,6 +72,29 @@ def assert_pool_full(llm):
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
 
 
+def assert_drafts_match_reference(llm, prompts, params, reference, k: int):
+    """Runs `prompts` to the end step by step; after every step each running request's
+    drafts equal reference(token_ids) -> (drafts, top-2 logit margins) up to the first
+    near-tie (where float noise may pick the other path), for at least 5 steps of k
+    drafts a prompt; then the pool is full again."""
+    eng = llm.engine
+    reqs = [eng.add_request(p, params) for p in prompts]
+    checked = 0
+    while eng.has_unfinished():
+        for req in eng.step():
+            if req.is_finished or not req.draft_tokens:
+                continue
+            want, margins = reference(req.token_ids)
+            for got, ref, margin in zip(req.draft_tokens, want, margins):
+                if margin < 1e-3:
+                    break
+                assert got == ref, (req.request_id, len(req.token_ids), req.draft_tokens, want)
+                checked += 1
+    assert checked >= len(prompts) * 5 * k
+    assert all(r.is_finished for r in reqs)
+    assert_pool_full(llm)
+
+
 def make_eagle3_head(path, target_model, fmt: str = "safeailab", draft_vocab_size=None,
                      seed: int = 1, aux_layer_ids=None, norm_before_residual: bool = False,
                      own_embedding: bool = False, num_layers: int = 1):

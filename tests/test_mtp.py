@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full
+from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full
 from moe_utils import add_mtp_layers, make_deepseek_model
 from onespec import LLM, MTPConfig, SamplingParams
 
@@ -87,22 +87,8 @@ def test_drafts_match_cache_free_reference(target):
     path, hf, refs, _ = target
     k = 3
     llm = mtp_llm(path, k, device="cpu", max_num_tokens=10)     # compared on the CPU
-    eng = llm.engine
-    reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:4]]
-    checked = 0
-    while eng.has_unfinished():
-        for req in eng.step():
-            if req.is_finished or not req.draft_tokens:
-                continue
-            want, margins = reference_drafts(hf, refs[0], req.token_ids, k)
-            for got, ref, margin in zip(req.draft_tokens, want, margins):
-                if margin < 1e-3:          # a float near-tie: later drafts follow another path
-                    break
-                assert got == ref, (req.request_id, len(req.token_ids), req.draft_tokens, want)
-                checked += 1
-    assert checked >= 4 * 5 * k
-    assert all(r.is_finished for r in reqs)
-    assert_pool_full(llm)
+    assert_drafts_match_reference(llm, PROMPTS[:4], GREEDY,
+                                  lambda ids: reference_drafts(hf, refs[0], ids, k), k)
 
 
 def test_mtp_layers_come_from_the_checkpoint(target):

@@ -42,7 +42,7 @@ def test_test_extra_pulls_no_gpu_compiler_and_the_server_needs_no_extra():
     assert {"fastapi", "uvicorn", "pydantic", "prometheus-client"} <= \
         names(project["dependencies"])
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert 'pip install -q -e ".[test,triton-cpu]"' in ci and "triton" in extras["triton-cpu"][0]
+    assert 'pip install -q -e ".[test,triton-cpu,structured]"' in ci and "triton" in extras["triton-cpu"][0]
 
 
 def test_help_lists_every_command_with_a_description():

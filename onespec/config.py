@@ -39,6 +39,8 @@ class EngineConfig:
     overlap_scheduler: bool = True
     # the Triton kernels with programmatic dependent launch where the GPU has it (Hopper+)
     programmatic_launch: bool = True
+    # reuse the KV of full blocks of earlier prompts and outputs (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -54,7 +56,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
                              f"got {self.attention_backend!r}")
-        for name in ("cuda_graphs", "overlap_scheduler", "programmatic_launch"):
+        for name in ("cuda_graphs", "overlap_scheduler", "programmatic_launch",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):

@@ -22,3 +22,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache (None: never scheduled)."""
+        return self.metrics.num_cached_tokens

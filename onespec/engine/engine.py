@@ -11,6 +11,7 @@ from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
                                      slots_per_step)
 from onespec.engine.model_runner import ModelRunner
+from onespec.engine.prefix_cache import PrefixCache
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
@@ -80,7 +81,8 @@ class Engine:
         num_blocks = self._num_kv_blocks(attn_layers, k)
         # one block past the pool is scratch space for the padding rows of CUDA graphs
         allocate_kv_cache(attn_layers, num_blocks + 1, config.block_size, self.device)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size,
+                              self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -135,6 +137,16 @@ class Engine:
                                 draft_dtype, dummy=self.config.load_format == "dummy",
                                 ops=self.ops)
         return Eagle3Drafter(head.eval(), self.model, tuple(capture))
+
+    def _prefix_cache(self, drafter, sc) -> PrefixCache | None:
+        """A drafter with KV layers makes a block's KV depend on the token after it (its
+        lookahead); forced acceptance emits tokens other than those whose KV it computed,
+        so then only prompt blocks are cached."""
+        if not self.config.enable_prefix_caching:
+            return None
+        lookahead = 1 if drafter is not None and drafter.attention_layers else 0
+        forced = sc is not None and sc.force_acceptance_length is not None
+        return PrefixCache(self.config.block_size, lookahead, prompt_only=forced)
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:
         cfg = self.config
@@ -322,19 +334,20 @@ class Engine:
         for req in advanced:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
-                self.stats.record_request(req.metrics)
+                self.stats.record_request(req.metrics, len(req.prompt_token_ids))
                 if req.metrics.num_draft_tokens:
                     self.gate.record(req.metrics.acceptance_length)
         return advanced
 
     def _walk_thinking(self, batch: ScheduledBatch, num_outputs: list[int]):
         """Moves each request's thinking phase over the tokens this step fed or emitted: a
-        context chunk's prompt tokens (from scratch at position 0), then new outputs."""
+        context chunk's prompt tokens (from position 0 in a request's first chunk, whose
+        start may follow cached blocks), then new outputs."""
         for req, before in zip(batch.requests, num_outputs):
             chunk = next((c for c in batch.context if c.req is req), None)
             if chunk is not None:
-                fed = req.token_ids[chunk.start:chunk.start + chunk.length]
-                self.thinking.walk(req, fed, restart=chunk.start == 0)
+                fed = req.token_ids[0 if chunk.first else chunk.start:chunk.start + chunk.length]
+                self.thinking.walk(req, fed, restart=chunk.first)
             self.thinking.walk(req, req.output_token_ids[before:])
 
     def num_running(self) -> int:

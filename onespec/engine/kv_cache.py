@@ -5,15 +5,24 @@ from collections import deque
 
 import torch
 
+from onespec.engine.prefix_cache import CachedBlock, PrefixCache
+from onespec.engine.request import Request
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    """Reference-counted blocks. With a PrefixCache, blocks of finished prefixes stay cached
+    when released ("parked"): they count as free, and are reused, least recently released
+    first, only once no never-cached block is left."""
+
+    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks = deque(range(num_blocks))
+        self.cache = cache
+        self.free_blocks = deque(range(num_blocks))      # free and holding no cached KV
+        self.ref_counts = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + (self.cache.num_parked if self.cache else 0)
 
     def num_blocks_needed(self, block_table: list[int], num_slots: int) -> int:
         return max(0, -(-num_slots // self.block_size) - len(block_table))
@@ -27,11 +36,50 @@ class BlockPool:
         if need > self.num_free_blocks:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            block_table.append(self.free_blocks.popleft())
+            block = self.free_blocks.popleft() if self.free_blocks else self.cache.evict()
+            self.ref_counts[block] = 1
+            block_table.append(block)
 
     def free(self, block_table: list[int]):
-        self.free_blocks.extend(block_table)
+        """Releases a request's blocks, last first (a cached prefix's tail is evicted before
+        its head, which more requests share)."""
+        for block in reversed(block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.cache is not None and self.cache.holds(block):
+                    self.cache.park(block)
+                else:
+                    self.free_blocks.append(block)
         block_table.clear()
+
+    # ---- prefix caching ----------------------------------------------------------------
+    def match_prefix(self, req: Request) -> list[CachedBlock]:
+        """Cached blocks req (waiting, holding no block) can start with: [] without caching."""
+        return self.cache.match(req) if self.cache is not None else []
+
+    def can_admit(self, hits: list[CachedBlock], num_slots: int) -> bool:
+        """Whether a request starting with the cached blocks `hits` can get num_slots slots
+        (a parked hit counts among the free blocks it takes)."""
+        parked = sum(self.cache.is_parked(h.block_id) for h in hits) if hits else 0
+        return max(0, -(-num_slots // self.block_size) - len(hits)) + parked \
+            <= self.num_free_blocks
+
+    def admit(self, req: Request, hits: list[CachedBlock], num_slots: int):
+        """Gives req the blocks `hits` (shared, never written again), then fresh blocks up to
+        num_slots slots (can_admit first)."""
+        for h in hits:
+            if self.ref_counts[h.block_id] == 0:
+                self.cache.unpark(h.block_id)
+            self.ref_counts[h.block_id] += 1
+            req.block_table.append(h.block_id)
+        if self.cache is not None:
+            req.prefix_chain = list(hits)
+        self.allocate(req.block_table, num_slots)
+
+    def cache_blocks(self, req: Request):
+        """Registers req's blocks that became full and final since the last call."""
+        if self.cache is not None:
+            self.cache.register(req)
 
 
 def slots_per_step(k: int, drafting: bool = True) -> int:

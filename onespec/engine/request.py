@@ -29,6 +29,9 @@ class RequestMetrics:
     num_accepted_draft_tokens: int = 0
     num_generated_tokens: int = 0
     num_relaxed_accepted_tokens: int = 0   # emitted drafts only relaxed acceptance took
+    # prompt tokens whose KV came from the prefix cache when the request was first
+    # scheduled (None until then)
+    num_cached_tokens: int | None = None
 
     @property
     def acceptance_length(self) -> float:
@@ -53,6 +56,10 @@ class Request:
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # prefix caching (engine/prefix_cache.py): hashes of full blocks so far, and the cache
+    # records of the blocks this request computed or found cached, in order
+    block_hashes: list[bytes] = field(default_factory=list)
+    prefix_chain: list = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -61,7 +68,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
 
     @property
     def is_finished(self) -> bool:

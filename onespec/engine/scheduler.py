@@ -15,6 +15,7 @@ class ContextChunk:
     start: int            # first position of the chunk
     length: int
     is_last: bool         # the chunk reaches the end of token_ids: its logits give a token
+    first: bool = False   # the first chunk since (re)admission: tokens before start were cached
 
 
 @dataclass
@@ -111,17 +112,22 @@ class Scheduler:
                 generation.append(req)
         while self.waiting and budget > 0 and scheduled < self.max_batch_size:
             req = self.waiting[0]
-            length = min(req.num_tokens - req.num_computed, budget)
-            end = req.num_computed + length
+            hits = self.pool.match_prefix(req)
+            start = len(hits) * self.pool.block_size
+            length = min(req.num_tokens - start, budget)
+            end = start + length
             is_last = end == req.num_tokens
             slots = self._ctx_slots(end, is_last, k)
-            if not self.pool.can_allocate(req.block_table, slots):
+            if not self.pool.can_admit(hits, slots):
                 break
-            self.pool.allocate(req.block_table, slots)
+            self.pool.admit(req, hits, slots)
+            req.num_computed = start
+            if req.metrics.num_cached_tokens is None:
+                req.metrics.num_cached_tokens = start
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            context.append(ContextChunk(req, req.num_computed, length, is_last))
+            context.append(ContextChunk(req, start, length, is_last, first=True))
             budget -= length
             scheduled += 1
         return ScheduledBatch(context, generation, k)
@@ -158,6 +164,7 @@ class Scheduler:
             req, token, next_drafts = chunk.req, next(ctx_tokens), next(drafts)
             req.num_computed = chunk.start + chunk.length
             if not chunk.is_last:
+                self.pool.cache_blocks(req)
                 continue
             req.in_context = False
             req.metrics.target_steps += 1
@@ -182,6 +189,7 @@ class Scheduler:
             req.draft_tokens = next_drafts
             advanced.append(req)
         for req in advanced:
+            self.pool.cache_blocks(req)       # before a finished request releases them
             if req.is_finished:
                 self._release(req)
         return advanced

@@ -10,6 +10,8 @@ class SpecStats:
         self.accepted = [0] * max_draft_len     # drafts accepted at position j
         self.totals = RequestMetrics()
         self.num_requests = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0            # prompt tokens found in the prefix cache
 
     def record_step(self, k: int, num_accepted: list[int]):
         """num_accepted: per generation request whose drafts were real this step."""
@@ -18,7 +20,9 @@ class SpecStats:
                 self.proposed[j] += 1
                 self.accepted[j] += j < n - 1
 
-    def record_request(self, m: RequestMetrics):
+    def record_request(self, m: RequestMetrics, num_prompt_tokens: int):
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_cached_tokens += m.num_cached_tokens or 0
         t = self.totals
         t.target_steps += m.target_steps
         t.num_draft_tokens += m.num_draft_tokens
@@ -41,4 +45,8 @@ class SpecStats:
                                 if t.num_draft_tokens else 0.0),
             "acceptance_rate_per_position": [a / p if p else 0.0
                                              for a, p in zip(self.accepted, self.proposed)],
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "prefix_cache_hit_rate": (self.num_cached_tokens / self.num_prompt_tokens
+                                      if self.num_prompt_tokens else 0.0),
         }

@@ -24,6 +24,14 @@ class ServerMetrics:
                                     registry=r)
         self.accepted_tokens = Counter("onespec_accepted_draft_tokens",
                                        "Draft tokens accepted", registry=r)
+        self.cache_queries = Counter("onespec_prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_hits = Counter("onespec_prefix_cache_hits",
+                                  "Prompt tokens whose KV came from the prefix cache",
+                                  registry=r)
+        self.cache_hit_rate = Gauge(
+            "onespec_prefix_cache_hit_rate",
+            "Engine-wide cached fraction of prompt tokens over finished requests", registry=r)
         buckets = [1.0 + 0.25 * i for i in range(4 * max(max_draft_len, 1) + 1)]
         self.acceptance_hist = Histogram(
             "onespec_request_acceptance_length",
@@ -46,6 +54,9 @@ class ServerMetrics:
                        m: RequestMetrics):
         self.requests.labels(endpoint, finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
+        if m.num_cached_tokens is not None:            # None: never scheduled
+            self.cache_queries.inc(num_prompt_tokens)
+            self.cache_hits.inc(m.num_cached_tokens)
         self.generation_tokens.inc(m.num_generated_tokens)
         self.target_steps.inc(m.target_steps)
         self.draft_tokens.inc(m.num_draft_tokens)
@@ -61,4 +72,5 @@ class ServerMetrics:
         self.waiting.set(snap.num_waiting)
         self.running.set(snap.num_running)
         self.acceptance_length.set(snap.stats.get("acceptance_length", 0.0))
+        self.cache_hit_rate.set(snap.stats.get("prefix_cache_hit_rate", 0.0))
         return generate_latest(self.registry)

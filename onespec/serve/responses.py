@@ -47,7 +47,8 @@ class Job:
     def usage(self) -> dict:
         num_prompt, num_out = len(self.prompt_token_ids), len(self.detok.token_ids)
         return {"prompt_tokens": num_prompt, "completion_tokens": num_out,
-                "total_tokens": num_prompt + num_out}
+                "total_tokens": num_prompt + num_out,
+                "prompt_tokens_details": {"cached_tokens": self.metrics.num_cached_tokens or 0}}
 
     def spec_metrics(self) -> dict:
         m = self.metrics

@@ -24,7 +24,10 @@ def make_tokens(n: int, seed: int) -> list[int]:
 
 
 SHARED = make_tokens(26, 0)              # a shared prefix of 6.5 blocks
-PROMPTS = [SHARED + make_tokens(n, 10 + n) for n in (3, 9, 1, 14)] + [make_tokens(11, 5)]
+# the last but one leaves SHARED right after a block (whose draft KV depends on the next
+# token); the last shares nothing
+PROMPTS = [SHARED + make_tokens(n, 10 + n) for n in (3, 9, 1, 14)] + \
+    [SHARED[:24] + make_tokens(7, 6), make_tokens(11, 5)]
 
 
 # ---- hashes and the pool, without a model ----------------------------------------------
@@ -209,10 +212,10 @@ def test_outputs_continue_a_cached_conversation(models):
     """A prompt made of an earlier prompt and its output hits blocks computed while
     decoding (verify steps), and gives what an uncached engine gives."""
     llm, ref = engine(models, True, 3), engine(models, False, 3)
-    first = llm.generate(PROMPTS[4], GREEDY)[0]
-    follow = PROMPTS[4] + first.outputs[0].token_ids + [9, 10, 11]
+    first = llm.generate(PROMPTS[-1], GREEDY)[0]
+    follow = PROMPTS[-1] + first.outputs[0].token_ids + [9, 10, 11]
     got = llm.generate(follow, GREEDY)[0]
-    assert got.num_cached_tokens == (len(PROMPTS[4]) + 16 - 1 - 1) // BS * BS
+    assert got.num_cached_tokens == (len(PROMPTS[-1]) + 16 - 1 - 1) // BS * BS
     assert got.outputs[0].token_ids == ref.generate(follow, GREEDY)[0].outputs[0].token_ids
     assert_pool_full(llm)
 
@@ -246,9 +249,44 @@ def test_drafts_after_a_cache_hit_match_the_reference(models):
     llm.generate(PROMPTS[0], GREEDY)
     drafter = llm.engine.drafter
     assert_drafts_match_reference(
-        llm, PROMPTS[1:4], GREEDY,
+        llm, PROMPTS[1:5], GREEDY,
         lambda ids: reference_drafts(hf, drafter.head, drafter.capture_layers, ids, 3), 3)
-    assert llm.stats()["num_cached_tokens"] >= 3 * 24
+    assert llm.stats()["num_cached_tokens"] == 3 * 24 + 20
+
+
+def kv_of(llm: LLM, req, num: int) -> list[torch.Tensor]:
+    """Every layer's cached keys and values of req's first num positions (target, then
+    draft layers)."""
+    eng = llm.engine
+    pos = torch.arange(num)
+    slots = torch.tensor(req.block_table)[pos // BS] * BS + pos % BS
+    layers = [layer.self_attn for layer in eng.model.model.layers]
+    layers += eng.drafter.attention_layers if eng.drafter else []
+    return [c[slots] for a in layers for c in (a.k_cache, a.v_cache)]
+
+
+def prefilled(llm: LLM, prompt):
+    req = llm.engine.add_request(prompt, GREEDY)
+    while req.in_context:
+        llm.engine.step()
+    return req
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_cached_kv_equals_computed_kv(models, k):
+    """After a hit, every layer's KV of the prompt, the head's included, equals what an
+    uncached engine writes, also where the prompt leaves the cached prefix right after a
+    block (the head's KV at a block's last position depends on the next token)."""
+    llm, ref = engine(models, True, k), engine(models, False, k)
+    llm.generate(PROMPTS[0], GREEDY)
+    for prompt in PROMPTS[1], PROMPTS[4]:
+        got, want = prefilled(llm, prompt), prefilled(ref, prompt)
+        assert got.metrics.num_cached_tokens >= 20
+        for a, b in zip(kv_of(llm, got, len(prompt)), kv_of(ref, want, len(prompt))):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        llm.engine.abort(got.request_id)
+        ref.engine.abort(want.request_id)
+    assert_pool_full(llm)
 
 
 def test_disabled_and_validated(models):

@@ -235,14 +235,18 @@ def test_relaxed_engine_equals_strict(target, strict_outputs, topk, delta, end):
 def test_relaxed_acceptance_inside_thinking(target, strict_outputs):
     """Inside the phase drafts among the top 32 are accepted: more tokens per step, some
     emitted tokens differ from strict greedy; chunked prefill (the begin token in an early
-    chunk) and preemption track the phase the same way."""
+    chunk), preemption and a prefix-cache hit (the begin token in a cached block) track
+    the phase the same way."""
     path = target[0]
     runs = {}
     for name, kw in (("batch", {}), ("chunked", {"max_num_tokens": 5}),
-                     ("preempt", ENGINE_KW["preempt"])):
+                     ("preempt", ENGINE_KW["preempt"]), ("cached", {"block_size": 4})):
         llm = relaxed_llm(path, 32, 1.0, **kw)
         outs = llm.generate(THINKING_PROMPTS, GREEDY)
-        runs[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "cached":        # again: the begin tokens are in cached blocks now
+            outs += llm.generate(THINKING_PROMPTS, GREEDY)
+            assert outs[-1].num_cached_tokens > 0
+        runs[name] = [o.outputs[0].token_ids for o in outs[-len(THINKING_PROMPTS):]]
         stats = llm.stats()
         assert stats["num_relaxed_accepted_tokens"] > 0
         assert sum(o.metrics.num_relaxed_accepted_tokens for o in outs) == \
@@ -252,7 +256,7 @@ def test_relaxed_acceptance_inside_thinking(target, strict_outputs):
             assert m.num_relaxed_accepted_tokens <= m.num_accepted_draft_tokens
             assert m.target_steps + m.num_accepted_draft_tokens == m.num_generated_tokens
         assert_pool_full(llm)
-    assert runs["batch"] == runs["chunked"] == runs["preempt"]
+    assert runs["batch"] == runs["chunked"] == runs["preempt"] == runs["cached"]
     assert runs["batch"] != strict_outputs
 
 

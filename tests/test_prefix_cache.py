@@ -305,3 +305,17 @@ def test_cli_flag():
     assert build_parser().parse_args(base).enable_prefix_caching is True
     assert build_parser().parse_args(base + ["--no-enable-prefix-caching"]) \
         .enable_prefix_caching is False
+
+
+def test_ttft_bench_tiny_cpu(capsys):
+    import json
+
+    from onespec.bench_prefix import main
+    assert main(["--shape", "tiny", "--device", "cpu", "--prompt-len", "48",
+                 "--cached-len", "32", "--trials", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [r.get("trial") for r in rows] == [0, None]
+    last = rows[-1]
+    assert last["bench"] == "prefix_ttft" and last["num_cached_tokens"] == 32
+    assert last["ratio"] == pytest.approx(last["ttft_ms_cached"] / last["ttft_ms_uncached"],
+                                          rel=1e-3)

@@ -460,6 +460,37 @@ def test_draft_server_same_greedy_text_with_spec_metrics(servers, offline):
     assert m["onespec_kv_blocks_free"] == m["onespec_kv_blocks_total"]
 
 
+# ---- prefix caching ----------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["plain", "draft"])
+def test_cached_tokens_reach_the_openai_client(servers, offline, which):
+    """The same 40-token prompt twice: the second reuses two 16-token blocks (the last
+    token always computed), reported in usage.prompt_tokens_details (also in the stream's
+    usage chunk) and in /metrics; the text is unchanged."""
+    srv = servers[which]
+    name = MODEL_NAME if which == "plain" else "tiny-eagle"
+    prompt = random.Random(which).sample(range(3, VOCAB_SIZE), 40)
+    expected = greedy(offline, [prompt], max_tokens=8, ignore_eos=True)[0]
+    before = srv.metrics()
+    client = srv.client()
+    first = client.completions.create(model=name, prompt=prompt, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(client.completions.create(
+        model=name, prompt=prompt, max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.prompt_tokens == 40
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    assert first.choices[0].text == expected.text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    srv.wait_pool_full()
+    after = srv.metrics()
+    grew = {key: after[key] - before.get(key, 0.0) for key in
+            ("onespec_prefix_cache_queries_total", "onespec_prefix_cache_hits_total")}
+    assert grew == {"onespec_prefix_cache_queries_total": 80,
+                    "onespec_prefix_cache_hits_total": 32}
+    assert 0.0 < after["onespec_prefix_cache_hit_rate"] < 1.0
+
+
 # ---- in-process app: models without a chat template or a tokenizer ----------------------
 def test_in_process_app_without_chat_template_or_tokenizer(tmp_path):
     from fastapi.testclient import TestClient

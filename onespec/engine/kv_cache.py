@@ -61,8 +61,7 @@ class BlockPool:
         """Whether a request starting with the cached blocks `hits` can get num_slots slots
         (a parked hit counts among the free blocks it takes)."""
         parked = sum(self.cache.is_parked(h.block_id) for h in hits) if hits else 0
-        return max(0, -(-num_slots // self.block_size) - len(hits)) + parked \
-            <= self.num_free_blocks
+        return self.num_blocks_needed(hits, num_slots) + parked <= self.num_free_blocks
 
     def admit(self, req: Request, hits: list[CachedBlock], num_slots: int):
         """Gives req the blocks `hits` (shared, never written again), then fresh blocks up to

@@ -400,9 +400,10 @@ def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window,
     """Decode-sized launches split each row's keys over 16 programs and merge them in the
     last one: equal to the portable attention, from a few keys (most splits idle) to
     1,200 (splits of two tiles), with and without a sliding window. 'verify': 4-row
-    requests share programs (one read of each key tile); 'verify-wide': 20 rows, no
-    split, still packed; 'verify-6': 24 rows, no split, 6-row requests packed into a 16-
-    (2 query heads a kv head) or a 32-row tile (3)."""
+    requests share programs (one read of each key tile); 'verify-wide': 20 rows, packed,
+    split too (10 programs would leave SMs idle); 'verify-6': 24 rows, 6-row requests
+    packed into a 16-row tile (2 query heads a kv head) and split 16 ways, or unpacked
+    (3) and split 4 ways."""
     q_lens, starts = {"mixed": ([1, 4, 1], [1200, 700, 2]),
                       "verify": ([4] * 3, [1200, 700, 2]),
                       "verify-wide": ([4] * 5, [1200, 700, 2, 64, 333]),
@@ -453,12 +454,49 @@ def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
                                                       [900, 60, 301])
     req = torch.arange(3, device=DEV).repeat_interleave(6)
     outs = {tile: ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
-                                     rows_per_request=6, pack_tile_rows=tile)
+                                     rows_per_request=6, pack_tile_rows=tile,
+                                     split_programs=0)
             for tile in (16, 32)}
     if DEV == "cuda" and dtype == torch.bfloat16:
         assert torch.equal(outs[32], outs[16])
     tol = TOL[dtype] / 2
     torch.testing.assert_close(outs[32].float(), outs[16].float(), atol=tol, rtol=tol)
+
+
+def test_num_splits_worked_examples():
+    """8B shape (8 kv heads, 4 query heads each) on 132 SMs: decode-sized launches keep 16
+    splits; a K = 3 verify of 8 requests (32 rows, 64 packed programs) splits 4 ways, of
+    16 requests 2 ways, of 32 not at all; plain decode of 32 rows and prefill never."""
+    programs = 2 * 132
+    assert ta._num_splits(8, 1, 64, 16, programs) == 16
+    assert ta._num_splits(32, 4, 8 * 8, 16, programs) == 4
+    assert ta._num_splits(64, 4, 16 * 8, 16, programs) == 2
+    assert ta._num_splits(128, 4, 32 * 8, 16, programs) == 1
+    assert ta._num_splits(32, 1, 32 * 8, 16, programs) == 1
+    assert ta._num_splits(32, 0, 32 * 8, 16, programs) == 1
+    assert ta._num_splits(32, 4, 8 * 8, 16, 0) == 1                  # turned off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_many_verify_rows_split_long_contexts(dtype):
+    """8 requests of 4 verify rows (32 rows, more than a decode-sized launch) at up to
+    1,200 positions: split 4 ways (5 key tiles a split) when few programs would run, they
+    equal the unsplit launch and the portable attention; the ticket counters end at 0."""
+    starts = [1200, 700, 2, 64, 333, 1000, 5, 900]
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, 4, 2, 32, [4] * 8, starts)
+    meta = build_attention_metadata(tables, 4, positions, bs, int(positions.max()) + 1,
+                                    None, "torch")
+    want = ops_for("torch").cached_attention(q, kc, vc, meta, 0.2).float()
+    req = torch.arange(8, device=DEV).repeat_interleave(4)
+    assert ta._num_splits(32, 4, 8 * 2, ta.SPLITS, 64) == 4
+    outs = [ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
+                               rows_per_request=4, split_programs=programs).float()
+            for programs in (64, 0)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got in outs:
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert not ta._tickets[q.device].any()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

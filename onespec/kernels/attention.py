@@ -14,6 +14,10 @@ with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds t
 (its result is stored as is, no merge) and the other splits leave at once.
 When every request has the same number of consecutive rows (a K+1-row verify), a request's
 rows can share one program per kv head and read each key tile once (rows_per_request).
+Such launches of more rows split too when their programs would not fill the GPU (a K = 3
+verify of 8 requests packs into 8 x 8 programs; at 16k keys each would walk all of them):
+into the largest power of two of splits, at most SPLITS, that keeps the programs within
+split_programs (default two per SM).
 Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
 exact zeros, so a row's result depends only on its own keys, never on the other rows of
 the batch or its pack.
@@ -24,6 +28,8 @@ writes are at the rows' own positions, so the first tile's older keys (and the p
 and block tables, inputs of the step) are read before waiting for it.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -47,6 +53,7 @@ ROWS_CONFIG = (128, 4, 2)
 # query heads of a Llama-3 kv group take one 32-row tile instead of six 16-row ones, each
 # reading every key again. Split launches pack only into the 16-row tile one row uses.
 PACK_TILE_ROWS = 32
+PROGRAMS_PER_SM = 2          # launches of uniform rows split up to this many programs an SM
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -273,16 +280,46 @@ def _merge_one(m_all, l_all, o_all, m_s, l_s, o_s):
     return m_new, l_all * a + l_s * b, o_all * a[:, None] + o_s * b[:, None]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (an H200's 132 elsewhere: the
+    interpreter runs the launch a GPU would)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pack(rpr: int, group: int, limit: int) -> int:
+    """Rows of a request one program takes: all rpr if their (row, query head) rows fit
+    `limit` tile rows, else 1."""
+    return rpr if rpr > 1 and rpr * group <= limit else 1
+
+
+def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
+                split_programs: int) -> int:
+    """Splits of a launch: `splits` for decode-sized launches; for launches of more
+    uniform rows (0 < rpr <= MAX_SPLIT_ROWS) whose `units` programs would leave SMs idle,
+    the largest power of two <= splits keeping units x splits within split_programs; 1
+    otherwise (prefill chunks)."""
+    if num_rows <= MAX_SPLIT_ROWS:
+        return splits
+    if not 0 < rpr <= MAX_SPLIT_ROWS or units * 2 > split_programs:
+        return 1
+    return min(splits, 1 << (split_programs // units).bit_length() - 1)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
                     block_size: int, window: int | None = None, *,
                     rows_per_request: int = 0, pdl: bool = False,
                     config: tuple[int, int, int] | None = None, splits: int = SPLITS,
-                    pack_tile_rows: int = PACK_TILE_ROWS):
+                    pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
     num_stages) instead of the default; splits, pack_tile_rows: instead of SPLITS and
-    PACK_TILE_ROWS (benchmarks and tests).
+    PACK_TILE_ROWS; split_programs: the programs a launch of more than MAX_SPLIT_ROWS
+    uniform rows may split into, instead of PROGRAMS_PER_SM a SM (0: never split them;
+    benchmarks and tests).
 
     rows_per_request (0: not known): every request has this many consecutive rows (1 for a
     decode step, K+1 for a verify). Then (a) a request's rows share programs and read each
@@ -298,23 +335,26 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     rpr = rows_per_request if rows_per_request > 0 and num_rows % rows_per_request == 0 else 0
     if num_rows == 0:
         return out
-    # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32 with
-    # 64 (swept on an H200)
-    splits = splits if num_rows <= MAX_SPLIT_ROWS else 1
+    group_pad = max(16, triton.next_power_of_2(group))
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if split_programs is None:
+        split_programs = PROGRAMS_PER_SM * _sm_count(q.device)
+    # split launches pack only into the tile one row uses
+    units = num_rows // _pack(rpr, group, group_pad) * num_kv_heads
+    splits = _num_splits(num_rows, rpr, units, splits, split_programs)
     if config is None:
+        # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32
+        # with 64 (swept on an H200)
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
-        if splits > 1:
+        if splits > 1 and num_rows <= MAX_SPLIT_ROWS:
             config = SPLIT_CONFIG if wide else (narrow, 4, 2)
         elif 0 < rpr <= MAX_SPLIT_ROWS:
             config = ROWS_CONFIG if wide else (narrow, 4, 2)
         else:
             config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
-    group_pad = max(16, triton.next_power_of_2(group))
-    dim_pad = max(16, triton.next_power_of_2(head_dim))
-    pack_limit = group_pad if splits > 1 else max(group_pad, pack_tile_rows)
-    pack = rpr if rpr > 1 and rpr * group <= pack_limit else 1
+    pack = _pack(rpr, group, group_pad if splits > 1 else max(group_pad, pack_tile_rows))
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
     units = num_rows // pack * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32

@@ -12,7 +12,9 @@ KV bytes read per GB/s.
 --verify BATCH:ROWS,...: instead, verify launches of BATCH requests of ROWS rows each
 (K + 1) after `context` positions, with a request's rows packed into tiles of at most 16
 and of at most PACK_TILE_ROWS (row, query head) rows; `equal` says whether the two
-give the same bits.
+give the same bits. With --split-programs N,...: instead, the default packing with each
+split budget (0: launches of more than 16 rows never split; "default": two programs an
+SM), e.g. `--verify 8:4 --contexts 4096,16384 --split-programs 0,default`.
 """
 from __future__ import annotations
 
@@ -71,9 +73,10 @@ def verify_call(batch: int, rows: int, context: int, layers: int = 32):
     req = torch.arange(batch, device="cuda").repeat_interleave(rows)
     pos = (context + torch.arange(rows, device="cuda")).repeat(batch)
 
-    def run(pack_tile_rows: int):
+    def run(pack_tile_rows: int = ta.PACK_TILE_ROWS, split_programs: int | None = None):
         return [ta.paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs,
                                    rows_per_request=rows, pack_tile_rows=pack_tile_rows,
+                                   split_programs=split_programs,
                                    pdl=pdl_supported(q.device))
                 for kc, vc in caches]
     kv_bytes = batch * 2 * (context + rows) * kv_heads * d * 2
@@ -97,18 +100,40 @@ def verify_rows(spec: str, context: int):
                       .item()}), flush=True)
 
 
+def verify_splits(spec: str, context: int, budgets: list[int | None]):
+    """Verify attention with each split budget (None: the default), and the largest
+    difference from the first budget's result."""
+    batch, rows = (int(x) for x in spec.split(":"))
+    run, kv_bytes, layers = verify_call(batch, rows, context)
+    first = None
+    for budget in budgets:
+        out = run(split_programs=budget)[0].float()
+        first = out if first is None else first
+        us = graph_time_us(functools.partial(run, split_programs=budget), layers)
+        print(json.dumps({"batch": batch, "rows": rows, "context": context,
+                          "split_programs": "default" if budget is None else budget,
+                          "us": round(us, 2), "kv_gbs": round(kv_bytes / us / 1e3, 1),
+                          "max_abs_diff": (out - first).abs().max().item()}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--contexts", default="256,1024,4096,16384")
     p.add_argument("--splits", default=f"1,{ta.SPLITS}")
     p.add_argument("--verify", default=None, help="BATCH:ROWS,... (see the docstring)")
+    p.add_argument("--split-programs", default=None,
+                   help="with --verify: split budgets to compare, e.g. 0,default")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs CUDA")
     if args.verify:
         for context in (int(c) for c in args.contexts.split(",")):
             for spec in args.verify.split(","):
-                verify_rows(spec, context)
+                if args.split_programs:
+                    verify_splits(spec, context, [None if b == "default" else int(b)
+                                                  for b in args.split_programs.split(",")])
+                else:
+                    verify_rows(spec, context)
         return
     for context in (int(c) for c in args.contexts.split(",")):
         for splits in (int(s) for s in args.splits.split(",")):

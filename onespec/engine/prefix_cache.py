@@ -60,27 +60,28 @@ class PrefixCache:
         self.parked: OrderedDict[int, None] = OrderedDict()  # unused cached blocks, LRU first
 
     # ---- keys and hashes ---------------------------------------------------------------
-    def _key(self, req: Request, b: int) -> tuple[int, ...]:
+    def _key(self, tokens: list[int], b: int) -> tuple[int, ...]:
         start = b * self.block_size
-        return tuple(req.token_ids[start:start + self.block_size + self.lookahead])
+        return tuple(tokens[start:start + self.block_size + self.lookahead])
 
-    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
-        """Hashes of req's first num_blocks blocks (each computed once: blocks are immutable)."""
+    def _hashes(self, req: Request, tokens: list[int], num_blocks: int) -> list[bytes]:
+        """Hashes of req's first num_blocks blocks (each computed once: blocks are immutable);
+        tokens: req.token_ids."""
         hashes = req.block_hashes
         for b in range(len(hashes), num_blocks):
-            hashes.append(self.hash_fn(hashes[b - 1] if b else None, self._key(req, b)))
+            hashes.append(self.hash_fn(hashes[b - 1] if b else None, self._key(tokens, b)))
         return hashes[:num_blocks]
 
     # ---- lookup ------------------------------------------------------------------------
     def match(self, req: Request) -> list[CachedBlock]:
         """The longest run of cached blocks that starts req's tokens, leaving at least its
         last token to compute (its logits give the next token)."""
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        tokens = req.token_ids
         hits: list[CachedBlock] = []
-        for b, h in enumerate(self._hashes(req, max_blocks)):
+        for b, h in enumerate(self._hashes(req, tokens, (len(tokens) - 1) // self.block_size)):
             rec = self.table.get(h)
             if rec is None or rec.parent is not (hits[-1] if hits else None) or \
-                    rec.key != self._key(req, b):
+                    rec.key != self._key(tokens, b):
                 break
             hits.append(rec)
         return hits
@@ -92,11 +93,13 @@ class PrefixCache:
         ready = min(req.num_computed, req.num_tokens - self.lookahead)
         if self.prompt_only:
             ready = min(ready, len(req.prompt_token_ids) - self.lookahead)
-        num = max(ready, 0) // self.block_size
-        chain = req.prefix_chain
-        for b, h in enumerate(self._hashes(req, num)[len(chain):], start=len(chain)):
+        num, chain = max(ready, 0) // self.block_size, req.prefix_chain
+        if num <= len(chain):
+            return                            # (the common case: no block completed)
+        tokens = req.token_ids
+        for b, h in enumerate(self._hashes(req, tokens, num)[len(chain):], start=len(chain)):
             parent = chain[-1] if chain else None
-            key = self._key(req, b)
+            key = self._key(tokens, b)
             rec = self.table.get(h)
             if rec is not None and rec.parent is parent and rec.key == key:
                 chain.append(rec)             # cached already (req's own block is a copy)

@@ -140,4 +140,5 @@ class PrefixCache:
         rec = self.records.pop(block_id)
         if self.table.get(rec.hash) is rec:
             del self.table[rec.hash]
+        rec.parent = None         # records under it keep only it alive, not its ancestors
         return block_id

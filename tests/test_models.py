@@ -121,9 +121,9 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
 # ---- logits and hidden states --------------------------------------------------------------
 def small_pool_llm(path, **kw) -> LLM:
     """An engine with 4-slot blocks handed out in shuffled order (block tables are not
-    contiguous ranges)."""
+    contiguous ranges), without prefix caching (engine_prefill records whole prompts)."""
     llm = LLM(path, **{"dtype": "float32", "device": "cpu", "block_size": BLOCK,
-                       "max_model_len": 64, **kw})
+                       "max_model_len": 64, "enable_prefix_caching": False, **kw})
     random.Random(0).shuffle(llm.engine.pool.free_blocks)
     return llm
 

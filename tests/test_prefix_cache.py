@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_drafts_match_reference, assert_pool_full, make_eagle3_head, \
-    make_hf_model
+from conftest import (TEST_DEVICE, assert_drafts_match_reference, assert_pool_full,
+                      make_eagle3_head, make_hf_model)
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.engine.kv_cache import BlockPool
 from onespec.engine.prefix_cache import PrefixCache, block_hash
@@ -149,8 +149,9 @@ def models(tmp_path_factory):
 def engine(models, cached: bool, k: int = 0, **kw) -> LLM:
     target, head, _ = models
     spec = Eagle3Config(head, max_draft_len=k) if k else None
-    return LLM(target, speculative_config=spec, dtype="float32", device="cpu", block_size=BS,
-               enable_prefix_caching=cached, **kw)
+    return LLM(target, speculative_config=spec, **{
+        "dtype": "float32", "device": TEST_DEVICE, "block_size": BS,
+        "enable_prefix_caching": cached, **kw})
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -245,7 +246,7 @@ def test_drafts_after_a_cache_hit_match_the_reference(models):
     request's own prefill would write: its drafts equal a cache-free reference."""
     from test_spec import reference_drafts
     _, _, hf = models
-    llm = engine(models, True, 3)
+    llm = engine(models, True, 3, device="cpu")          # the reference runs on the CPU
     llm.generate(PROMPTS[0], GREEDY)
     drafter = llm.engine.drafter
     assert_drafts_match_reference(
@@ -262,7 +263,7 @@ def kv_of(llm: LLM, req, num: int) -> list[torch.Tensor]:
     slots = torch.tensor(req.block_table)[pos // BS] * BS + pos % BS
     layers = [layer.self_attn for layer in eng.model.model.layers]
     layers += eng.drafter.attention_layers if eng.drafter else []
-    return [c[slots] for a in layers for c in (a.k_cache, a.v_cache)]
+    return [c[slots.to(c.device)].cpu() for a in layers for c in (a.k_cache, a.v_cache)]
 
 
 def prefilled(llm: LLM, prompt):

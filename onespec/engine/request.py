@@ -29,6 +29,8 @@ class RequestMetrics:
     num_accepted_draft_tokens: int = 0
     num_generated_tokens: int = 0
     num_relaxed_accepted_tokens: int = 0   # emitted drafts only relaxed acceptance took
+    num_sa_draft_tokens: int = 0           # drafts verified that the suffix automaton proposed
+    num_sa_accepted_draft_tokens: int = 0  # of those, emitted
 
     @property
     def acceptance_length(self) -> float:
@@ -52,6 +54,8 @@ class Request:
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
+    draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)
+    num_sa_drafts: int = 0                     # leading draft_tokens from the suffix automaton
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

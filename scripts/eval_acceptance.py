@@ -76,11 +76,15 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def run_onespec(name: str, spec, prompts, sp, ref, device: str, **fields) -> None:
-    """Decodes the prompts with `spec` and prints its acceptance as one JSON line."""
+def run_onespec(name: str, spec, prompts, sp, ref, device: str, baseline=None,
+                **fields) -> list[float]:
+    """Decodes the prompts with `spec` and prints its acceptance as one JSON line; returns
+    each prompt's acceptance length. baseline: those of another run, to count the prompts
+    whose acceptance this one lowers."""
     llm = LLM(TARGET_DIR, device=device, dtype="float32", speculative_config=spec)
     outs = llm.generate(prompts, sp)
     st = llm.stats()
+    per_prompt = [o.metrics.acceptance_length for o in outs]
     line = {"method": name, **fields, "device": str(llm.engine.device),
             "acceptance_length": round(st["acceptance_length"], 3),
             "acceptance_rate_per_position":
@@ -89,7 +93,12 @@ def run_onespec(name: str, spec, prompts, sp, ref, device: str, **fields) -> Non
     if st["num_sa_draft_tokens"]:
         line["sa_drafts"] = st["num_sa_draft_tokens"]
         line["sa_accepted"] = st["num_sa_accepted_draft_tokens"]
+    if baseline is not None:
+        changes = [a - b for a, b in zip(per_prompt, baseline)]
+        line["prompts_lower_higher"] = [sum(c < 0 for c in changes), sum(c > 0 for c in changes)]
+        line["largest_drop"] = round(-min(changes), 3)
     print(json.dumps(line), flush=True)
+    return per_prompt
 
 
 def main():
@@ -115,12 +124,12 @@ def main():
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.gen_len} new",
           file=sys.stderr)
     for k in int_list(args.ks):
-        run_onespec("onespec-eagle3", Eagle3Config(HEAD_DIR, max_draft_len=k), prompts, sp,
-                    ref, args.device, k=k)
+        base = run_onespec("onespec-eagle3", Eagle3Config(HEAD_DIR, max_draft_len=k), prompts,
+                           sp, ref, args.device, k=k)
         for m in args.sa_min_match:
             spec = Eagle3Config(HEAD_DIR, max_draft_len=k, use_sa_enhancer=True,
                                 sa_min_match_len=m)
-            run_onespec("onespec-eagle3-sa", spec, prompts, sp, ref, args.device, k=k,
+            run_onespec("onespec-eagle3-sa", spec, prompts, sp, ref, args.device, base, k=k,
                         sa_min_match_len=m)
     for k in args.ngram:
         run_onespec("onespec-ngram", NGramConfig(max_draft_len=k), prompts, sp, ref,

@@ -4,7 +4,10 @@ output: batched, chunked prefill, preemption; drafts equal the brute-force answe
 every step), configuration errors."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -22,14 +25,28 @@ ENGINE_KW = {"batch": {}, "chunked": {"max_num_tokens": 9},
 
 
 # ---- brute-force references --------------------------------------------------------------
-def brute_longest_match(seq: list[int]) -> tuple[int, int]:
-    """(length, end of first earlier occurrence) of the longest suffix that occurred before."""
-    n = len(seq)
-    for m in range(n - 1, 0, -1):
-        for end in range(m - 1, n - 1):
-            if seq[end - m + 1:end + 1] == seq[n - m:]:
+def brute_match(seq: list[int], text: list[int], earlier: bool) -> tuple[int, int]:
+    """(length, end of its first occurrence in seq) of the longest suffix of text that
+    occurs in seq; earlier: only occurrences that end before seq's last token."""
+    last = len(seq) - 1 if earlier else len(seq)
+    for m in range(min(len(text), len(seq)), 0, -1):
+        for end in range(m - 1, last):
+            if seq[end - m + 1:end + 1] == text[len(text) - m:]:
                 return m, end
     return 0, -1
+
+
+def brute_longest_match(seq: list[int]) -> tuple[int, int]:
+    """(length, end of first earlier occurrence) of the longest suffix that occurred before."""
+    return brute_match(seq, seq, earlier=True)
+
+
+def brute_spliced(seq: list[int], drafts: list[int], min_len: int, k: int):
+    for j in range(min(len(drafts), k - 1) + 1):
+        m, end = brute_match(seq, seq + drafts[:j], earlier=j == 0)
+        if m >= min_len and seq[end + 1:end + 1 + k - j]:
+            return j, seq[end + 1:end + 1 + k - j]
+    return -1, []
 
 
 def brute_ngram(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -39,11 +56,6 @@ def brute_ngram(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
             if seq[i:i + n] == seq[size - n:]:
                 return seq[i + n:i + n + k]
     return []
-
-
-def sa_reference_drafts(seq: list[int], k: int, min_match: int) -> list[int] | None:
-    length, end = brute_longest_match(seq)
-    return seq[end + 1:end + 1 + k] if length >= min_match else None
 
 
 def random_sequences(seed: int):
@@ -69,12 +81,33 @@ def test_automaton_longest_match_equals_brute_force():
             sa.extend(seq[fed:fed + step])
             fed = min(fed + step, len(seq))
             assert sa.longest_match() == brute_longest_match(seq[:fed]), seq[:fed]
-            length, cont = sa.continuation(4)
-            want = sa_reference_drafts(seq[:fed], 4, 1)
-            assert (cont if length else None) == want
+            length, end = brute_longest_match(seq[:fed])
+            assert sa.continuation(4) == (length, seq[end + 1:min(end + 5, fed)] if length
+                                          else [])
             checked += 1
         assert len(sa.length) <= 2 * len(seq)        # at most 2n - 1 states (+ the root)
     assert checked > 100
+
+
+def test_spliced_drafts_equal_brute_force():
+    """Model drafts continue the sequence; the automaton takes over at the first draft after
+    which a long enough run repeats."""
+    rng = random.Random(2)
+    checked = 0
+    for seq in random_sequences(3):
+        sa = SuffixAutomaton()
+        sa.extend(seq)
+        for _ in range(6):
+            if rng.random() < 0.5 and len(seq) > 3:      # drafts that re-enter the sequence
+                i = rng.randrange(len(seq))
+                drafts = [rng.randrange(5)] * rng.randrange(3) + seq[i:i + 5]
+            else:
+                drafts = [rng.randrange(5) for _ in range(5)]
+            for k, min_len in ((5, 1), (5, 3), (3, 2), (1, 1)):
+                want = brute_spliced(seq, drafts, min_len, k)
+                assert sa.spliced(drafts, min_len, k) == want, (seq, drafts, min_len, k)
+                checked += want[0] > 0
+    assert checked > 20          # the automaton took over after some model drafts
 
 
 def test_automaton_worked_example():
@@ -86,6 +119,9 @@ def test_automaton_worked_example():
     assert sa.continuation(3) == (3, [9, 1, 2])
     sa.extend([7])
     assert sa.continuation(3) == (0, [])
+    # drafts [1, 2]: the tokens + [1, 2] end in [1, 2], which first ended at index 1
+    assert sa.spliced([1, 2, 5], 2, 4) == (2, [3, 9])
+    assert sa.spliced([1, 2, 5], 3, 4) == (-1, [])
 
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 3), (2, 2), (1, 5)])
@@ -139,12 +175,11 @@ def test_sa_enhancer_greedy_lossless(pair, engine_kw):
               speculative_config=Eagle3Config(head, max_draft_len=k, use_sa_enhancer=True,
                                               sa_min_match_len=min_match))
 
-    def check(req):
-        want = sa_reference_drafts(req.token_ids, k, min_match)
-        if want is None:
-            assert req.num_sa_drafts == 0
-        else:
-            assert req.num_sa_drafts == len(want) and req.draft_tokens[:len(want)] == want
+    def check(req):          # drafts before the span are the model's: they decide where it is
+        start, cont = brute_spliced(req.token_ids, req.draft_tokens, min_match, k)
+        span = (start, start + len(cont)) if start >= 0 else (0, 0)
+        assert req.sa_draft_span == span
+        assert req.draft_tokens[span[0]:span[1]] == cont
         assert len(req.draft_tokens) == k
 
     assert run_checking_drafts(llm, check) == plain
@@ -199,3 +234,35 @@ def test_request_metrics_count_automaton_drafts(pair):
 def test_configuration_errors(cfg, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         cfg()
+
+
+# ---- command line ------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--ngram", "3", "--draft", "D"], "--ngram is a drafter of its own"),
+    (["--ngram", "0"], "--ngram must be >= 1, got 0"),
+    (["--ngram", "3", "--k", "2"], "with --ngram K the draft length is K"),
+    (["--sa-enhancer", "4"], "--sa-enhancer enhances a model drafter: pass --draft or --mtp"),
+    (["--draft", "D", "--sa-enhancer", "0"], "--sa-enhancer must be >= 1, got 0"),
+])
+def test_cli_usage_errors(argv, message, capsys):
+    from onespec.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "M", "--prompt-ids", "1,2", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--ngram", "3"], ["--sa-enhancer", "2", "--k", "3"]])
+def test_cli_generate_with_host_drafts(pair, flags):
+    target, head, plain = pair
+    flags = [*flags, "--draft", head] if "--sa-enhancer" in flags else flags
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prompt = ",".join(map(str, PROMPTS[0]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "onespec", "generate", "--model", target, "--prompt-ids",
+         prompt, "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--device", "cpu",
+         "--dtype", "float32", *flags], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [int(t) for t in proc.stdout.split()] == plain[0]
+    assert "acceptance length" in proc.stderr
+    assert ("automaton drafts accepted" in proc.stderr) == ("--sa-enhancer" in flags)

@@ -323,12 +323,12 @@ class Engine:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
         had_drafts = [bool(r.draft_tokens) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
-        num_sa = [r.num_sa_drafts if h else 0 for r, h in zip(batch.generation, had_drafts)]
+        spans = [r.sa_draft_span if h else (0, 0) for r, h in zip(batch.generation, had_drafts)]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)
         if self.host_drafter is not None:
-            self._host_drafts(batch, advanced, num_outputs[len(batch.context):], num_sa, live)
+            self._host_drafts(batch, advanced, num_outputs[len(batch.context):], spans, live)
         self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
                                          if h and a])
         for req in advanced:
@@ -340,14 +340,14 @@ class Engine:
         return advanced
 
     def _host_drafts(self, batch: ScheduledBatch, advanced: list[Request],
-                     num_outputs: list[int], num_sa: list[int], live: list[bool]):
+                     num_outputs: list[int], spans: list[tuple[int, int]], live: list[bool]):
         """After postprocess: counts the verified drafts that the suffix automaton proposed
         and how many were emitted (RequestMetrics.num_sa_*), then sets the next drafts of
         every request that goes on from its own tokens (host_drafts.py). num_outputs,
-        num_sa, live: per generation request, from before postprocess."""
-        for req, before, n, alive in zip(batch.generation, num_outputs, num_sa, live):
-            if n and alive and batch.k:
-                record_sa_outcome(req, batch.k, n, len(req.output_token_ids) - before)
+        spans, live: per generation request, from before postprocess."""
+        for req, before, span, alive in zip(batch.generation, num_outputs, spans, live):
+            if span[1] > span[0] and alive and batch.k:
+                record_sa_outcome(req, batch.k, span, len(req.output_token_ids) - before)
         for req in advanced:
             if not req.is_finished:
                 self.host_drafter.propose(req)

@@ -55,7 +55,7 @@ class Request:
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
     draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)
-    num_sa_drafts: int = 0                     # leading draft_tokens from the suffix automaton
+    sa_draft_span: tuple[int, int] = (0, 0)    # [start, end) of draft_tokens from the automaton
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

@@ -35,33 +35,37 @@ def sync_index(req: Request, make) -> SuffixAutomaton | NGramIndex:
     return index
 
 
-def one_hot_rows(probs, rows: int, tokens: list[int]):
-    """probs [K, V] (q of a request's drafts) with its first `rows` rows one-hot at tokens."""
+def one_hot_rows(probs, start: int, tokens: list[int]):
+    """probs [K, V] (q of a request's drafts) with rows start..len(tokens)-1 one-hot at
+    those tokens."""
     out = probs.clone()
-    out[:rows] = 0.0
-    out[list(range(rows)), tokens[:rows]] = 1.0
+    rows = list(range(start, len(tokens)))
+    out[start:len(tokens)] = 0.0
+    out[rows, tokens[start:]] = 1.0
     return out
 
 
 class SuffixEnhancer:
-    """Replaces a model drafter's drafts by the automaton's continuation when the current
-    suffix occurred before with at least min_match_len tokens: from the first draft, as
-    many as the continuation has (the model's drafts fill the rest)."""
+    """Splices the automaton's continuation into a model drafter's drafts d1..dK: at the
+    first j where the request's tokens followed by d1..dj end in a run of at least
+    min_match_len tokens that occurred before, d(j+1).. become the tokens that followed
+    that run (as many as there are; the model's drafts fill the rest). j = 0 replaces the
+    drafts from the first one: the current suffix itself repeats."""
 
     def __init__(self, min_match_len: int, max_draft_len: int):
         self.min_match_len, self.max_draft_len = min_match_len, max_draft_len
 
     def propose(self, req: Request) -> None:
         sa = sync_index(req, SuffixAutomaton)
-        req.num_sa_drafts = 0
-        length, cont = sa.continuation(self.max_draft_len)
-        if length < self.min_match_len or not cont:
+        req.sa_draft_span = (0, 0)
+        start, cont = sa.spliced(req.draft_tokens, self.min_match_len, self.max_draft_len)
+        if start < 0:
             return
-        m = len(cont)
-        req.draft_tokens = cont + req.draft_tokens[m:]
-        req.num_sa_drafts = m
+        end = start + len(cont)
+        req.draft_tokens = req.draft_tokens[:start] + cont + req.draft_tokens[end:]
+        req.sa_draft_span = (start, end)
         if req.draft_probs is not None:
-            req.draft_probs = one_hot_rows(req.draft_probs, m, cont)
+            req.draft_probs = one_hot_rows(req.draft_probs, start, req.draft_tokens[:end])
 
 
 class NGramDrafter:
@@ -75,7 +79,6 @@ class NGramDrafter:
         index = sync_index(req, lambda: NGramIndex(self.min_n, self.max_n))
         _, req.draft_tokens = index.propose(self.max_draft_len)
         req.draft_probs = None
-        req.num_sa_drafts = 0
 
 
 def make_host_drafter(spec_config) -> SuffixEnhancer | NGramDrafter | None:
@@ -87,9 +90,9 @@ def make_host_drafter(spec_config) -> SuffixEnhancer | NGramDrafter | None:
     return None
 
 
-def record_sa_outcome(req: Request, k: int, num_sa: int, emitted: int) -> None:
-    """Counts a verified step's automaton drafts: num_sa of its k drafts came from the
-    automaton (the leading ones), `emitted` tokens were emitted (drafts accepted + 1)."""
-    n = min(num_sa, k)
-    req.metrics.num_sa_draft_tokens += n
-    req.metrics.num_sa_accepted_draft_tokens += min(n, max(emitted - 1, 0))
+def record_sa_outcome(req: Request, k: int, span: tuple[int, int], emitted: int) -> None:
+    """Counts a verified step's automaton drafts: drafts span[0]..span[1]-1 of its k came
+    from the automaton, `emitted` tokens were emitted (drafts accepted + 1)."""
+    start, end = min(span[0], k), min(span[1], k)
+    req.metrics.num_sa_draft_tokens += end - start
+    req.metrics.num_sa_accepted_draft_tokens += max(min(end, emitted - 1) - start, 0)

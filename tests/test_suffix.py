@@ -25,28 +25,14 @@ ENGINE_KW = {"batch": {}, "chunked": {"max_num_tokens": 9},
 
 
 # ---- brute-force references --------------------------------------------------------------
-def brute_match(seq: list[int], text: list[int], earlier: bool) -> tuple[int, int]:
-    """(length, end of its first occurrence in seq) of the longest suffix of text that
-    occurs in seq; earlier: only occurrences that end before seq's last token."""
-    last = len(seq) - 1 if earlier else len(seq)
-    for m in range(min(len(text), len(seq)), 0, -1):
-        for end in range(m - 1, last):
-            if seq[end - m + 1:end + 1] == text[len(text) - m:]:
-                return m, end
-    return 0, -1
-
-
 def brute_longest_match(seq: list[int]) -> tuple[int, int]:
     """(length, end of first earlier occurrence) of the longest suffix that occurred before."""
-    return brute_match(seq, seq, earlier=True)
-
-
-def brute_spliced(seq: list[int], drafts: list[int], min_len: int, k: int):
-    for j in range(min(len(drafts), k - 1) + 1):
-        m, end = brute_match(seq, seq + drafts[:j], earlier=j == 0)
-        if m >= min_len and seq[end + 1:end + 1 + k - j]:
-            return j, seq[end + 1:end + 1 + k - j]
-    return -1, []
+    n = len(seq)
+    for m in range(n - 1, 0, -1):
+        for end in range(m - 1, n - 1):
+            if seq[end - m + 1:end + 1] == seq[n - m:]:
+                return m, end
+    return 0, -1
 
 
 def brute_ngram(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -56,6 +42,13 @@ def brute_ngram(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
             if seq[i:i + n] == seq[size - n:]:
                 return seq[i + n:i + n + k]
     return []
+
+
+def sa_reference_drafts(seq: list[int], k: int, min_match: int) -> list[int]:
+    """The enhancer's drafts by brute force: what followed the first earlier occurrence of
+    the longest repeated suffix, if it has min_match tokens or more."""
+    length, end = brute_longest_match(seq)
+    return seq[end + 1:end + 1 + k] if length >= min_match else []
 
 
 def random_sequences(seed: int):
@@ -89,27 +82,6 @@ def test_automaton_longest_match_equals_brute_force():
     assert checked > 100
 
 
-def test_spliced_drafts_equal_brute_force():
-    """Model drafts continue the sequence; the automaton takes over at the first draft after
-    which a long enough run repeats."""
-    rng = random.Random(2)
-    checked = 0
-    for seq in random_sequences(3):
-        sa = SuffixAutomaton()
-        sa.extend(seq)
-        for _ in range(6):
-            if rng.random() < 0.5 and len(seq) > 3:      # drafts that re-enter the sequence
-                i = rng.randrange(len(seq))
-                drafts = [rng.randrange(5)] * rng.randrange(3) + seq[i:i + 5]
-            else:
-                drafts = [rng.randrange(5) for _ in range(5)]
-            for k, min_len in ((5, 1), (5, 3), (3, 2), (1, 1)):
-                want = brute_spliced(seq, drafts, min_len, k)
-                assert sa.spliced(drafts, min_len, k) == want, (seq, drafts, min_len, k)
-                checked += want[0] > 0
-    assert checked > 20          # the automaton took over after some model drafts
-
-
 def test_automaton_worked_example():
     sa = SuffixAutomaton()
     sa.extend([1, 2, 3, 9, 1, 2])
@@ -119,9 +91,6 @@ def test_automaton_worked_example():
     assert sa.continuation(3) == (3, [9, 1, 2])
     sa.extend([7])
     assert sa.continuation(3) == (0, [])
-    # drafts [1, 2]: the tokens + [1, 2] end in [1, 2], which first ended at index 1
-    assert sa.spliced([1, 2, 5], 2, 4) == (2, [3, 9])
-    assert sa.spliced([1, 2, 5], 3, 4) == (-1, [])
 
 
 @pytest.mark.parametrize("min_n,max_n", [(1, 3), (2, 2), (1, 5)])
@@ -175,12 +144,10 @@ def test_sa_enhancer_greedy_lossless(pair, engine_kw):
               speculative_config=Eagle3Config(head, max_draft_len=k, use_sa_enhancer=True,
                                               sa_min_match_len=min_match))
 
-    def check(req):          # drafts before the span are the model's: they decide where it is
-        start, cont = brute_spliced(req.token_ids, req.draft_tokens, min_match, k)
-        span = (start, start + len(cont)) if start >= 0 else (0, 0)
-        assert req.sa_draft_span == span
-        assert req.draft_tokens[span[0]:span[1]] == cont
-        assert len(req.draft_tokens) == k
+    def check(req):
+        want = sa_reference_drafts(req.token_ids, k, min_match)
+        assert req.sa_draft_span == (0, len(want))
+        assert req.draft_tokens[:len(want)] == want and len(req.draft_tokens) == k
 
     assert run_checking_drafts(llm, check) == plain
     st = llm.stats()

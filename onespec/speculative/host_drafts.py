@@ -35,22 +35,20 @@ def sync_index(req: Request, make) -> SuffixAutomaton | NGramIndex:
     return index
 
 
-def one_hot_rows(probs, start: int, tokens: list[int]):
-    """probs [K, V] (q of a request's drafts) with rows start..len(tokens)-1 one-hot at
-    those tokens."""
+def one_hot_rows(probs, tokens: list[int]):
+    """probs [K, V] (q of a request's drafts) with its first len(tokens) rows one-hot at
+    tokens."""
     out = probs.clone()
-    rows = list(range(start, len(tokens)))
-    out[start:len(tokens)] = 0.0
-    out[rows, tokens[start:]] = 1.0
+    out[:len(tokens)] = 0.0
+    out[list(range(len(tokens))), tokens] = 1.0
     return out
 
 
 class SuffixEnhancer:
-    """Splices the automaton's continuation into a model drafter's drafts d1..dK: at the
-    first j where the request's tokens followed by d1..dj end in a run of at least
-    min_match_len tokens that occurred before, d(j+1).. become the tokens that followed
-    that run (as many as there are; the model's drafts fill the rest). j = 0 replaces the
-    drafts from the first one: the current suffix itself repeats."""
+    """Replaces a model drafter's drafts by the automaton's continuation when the current
+    suffix occurred before with at least min_match_len tokens: from the first draft, as
+    many as the continuation has (the model's drafts fill the rest). docs/DECODING.md says
+    why this rule and not a splice after the model's first drafts."""
 
     def __init__(self, min_match_len: int, max_draft_len: int):
         self.min_match_len, self.max_draft_len = min_match_len, max_draft_len
@@ -58,14 +56,13 @@ class SuffixEnhancer:
     def propose(self, req: Request) -> None:
         sa = sync_index(req, SuffixAutomaton)
         req.sa_draft_span = (0, 0)
-        start, cont = sa.spliced(req.draft_tokens, self.min_match_len, self.max_draft_len)
-        if start < 0:
+        length, cont = sa.continuation(self.max_draft_len)
+        if length < self.min_match_len or not cont:
             return
-        end = start + len(cont)
-        req.draft_tokens = req.draft_tokens[:start] + cont + req.draft_tokens[end:]
-        req.sa_draft_span = (start, end)
+        req.draft_tokens = cont + req.draft_tokens[len(cont):]
+        req.sa_draft_span = (0, len(cont))
         if req.draft_probs is not None:
-            req.draft_probs = one_hot_rows(req.draft_probs, start, req.draft_tokens[:end])
+            req.draft_probs = one_hot_rows(req.draft_probs, cont)
 
 
 class NGramDrafter:

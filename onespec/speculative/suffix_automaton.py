@@ -73,34 +73,6 @@ class SuffixAutomaton:
             return 0, -1
         return self.length[state], self.first_end[state]
 
-    def follow(self, state: int, length: int, token: int) -> tuple[int, int]:
-        """Matching a text against the sequence: (state, length) of the longest suffix of
-        the text that occurs in the sequence -> the same for the text + token."""
-        while state > 0 and token not in self.next[state]:
-            state = self.link[state]
-            length = self.length[state]
-        if token in self.next[state]:
-            return self.next[state][token], length + 1
-        return 0, 0
-
-    def spliced(self, drafts: list[int], min_len: int, max_len: int) -> tuple[int, list[int]]:
-        """The sequence continued by a model's drafts d1..dj, j from 0 up: at the first j
-        where the longest suffix of sequence + d1..dj that occurred in the sequence has at
-        least min_len tokens and tokens after it, returns (j, those tokens, at most
-        max_len - j); (-1, []) if there is no such j < max_len. j = 0 is the plain
-        continuation()."""
-        state = self.link[self.last] if self.tokens else 0
-        length = self.length[state] if state > 0 else 0
-        for j in range(min(len(drafts), max_len - 1) + 1):
-            if j:
-                state, length = self.follow(state, length, drafts[j - 1])
-            if length >= min_len:
-                end = self.first_end[state]
-                cont = self.tokens[end + 1:end + 1 + max_len - j]
-                if cont:
-                    return j, cont
-        return -1, []
-
     def continuation(self, max_len: int) -> tuple[int, list[int]]:
         """(match length, up to max_len tokens that followed the earlier occurrence)."""
         length, end = self.longest_match()

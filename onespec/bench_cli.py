@@ -86,6 +86,9 @@ def parse_args(argv):
                    help="transformers runs as cache:batch (cache = static | dynamic)")
     p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each graphed step before the previous one is read (engine)")
+    p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
+                   help="speculative engines with the suffix-automaton enhancer (min match N): "
+                        "its host cost, and graph steps no longer chained")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
@@ -231,10 +234,12 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
     blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
     batch = max(args.batch_sizes)
     spec = None
+    sa = getattr(args, "sa_enhancer", None)
+    sa = dict(use_sa_enhancer=True, sa_min_match_len=sa) if sa else {}
     if k_max and head_dir is None:
-        spec = MTPConfig(num_nextn_predict_layers=k_max, force_acceptance_length=1.0)
+        spec = MTPConfig(num_nextn_predict_layers=k_max, force_acceptance_length=1.0, **sa)
     elif k_max:
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0)
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0, **sa)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
@@ -326,6 +331,8 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
            "floor_ms": floor_ms, "hbm_fraction": floor_ms / m.step_ms,
            "baseline": "onespec-plain", "engine": "onespec",
            "overlap_scheduler": eng.config.overlap_scheduler,
+           "sa_enhancer": eng.spec_config.sa_min_match_len
+           if getattr(eng.spec_config, "use_sa_enhancer", False) else None,
            "context_len": m.kv_tokens / batch}
     return row, {name: 1e3 * b / bandwidth for name, b in parts.items()}
 

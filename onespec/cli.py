@@ -75,6 +75,11 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
     p.add_argument("--mtp", type=int, default=None, metavar="K",
                    help="draft K tokens with the target's own MTP layer (MTP-Eagle)")
+    p.add_argument("--ngram", type=int, default=None, metavar="K",
+                   help="draft K tokens by prompt lookup (n-gram), no draft model needed")
+    p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
+                   help="with --draft or --mtp: drafts from the request's own earlier tokens "
+                        "replace the model's when N or more tokens match (suffix automaton)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -90,7 +95,9 @@ def _add_engine_args(p: argparse.ArgumentParser):
 
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
-    --draft and --mtp are two drafters, one at a time."""
+    --draft, --mtp and --ngram are three drafters, one at a time; --sa-enhancer goes on a
+    model drafter."""
+    check_host_draft_args(parser, args)
     if args.mtp is not None:
         if args.draft is not None:
             parser.error("--draft and --mtp are two drafters: pass one of them")
@@ -109,6 +116,22 @@ def check_engine_args(parser: argparse.ArgumentParser, args):
     if args.k < 1:
         parser.error(f"--k must be >= 1 with --draft, got {args.k}; leave out --draft to "
                      "decode without speculation")
+
+
+def check_host_draft_args(parser: argparse.ArgumentParser, args):
+    if args.ngram is not None:
+        if args.draft is not None or args.mtp is not None:
+            parser.error("--ngram is a drafter of its own: pass it without --draft and --mtp")
+        if args.k is not None:
+            parser.error("--k goes with --draft; with --ngram K the draft length is K")
+        if args.ngram < 1:
+            parser.error(f"--ngram must be >= 1, got {args.ngram}")
+    if args.sa_enhancer is not None:
+        if args.draft is None and args.mtp is None:
+            parser.error("--sa-enhancer enhances a model drafter: pass --draft or --mtp too "
+                         "(or --ngram K for drafts without a model)")
+        if args.sa_enhancer < 1:
+            parser.error(f"--sa-enhancer must be >= 1, got {args.sa_enhancer}")
 
 
 def resolve_model_dir(path: str, option: str) -> str:
@@ -130,11 +153,14 @@ def resolve_model_dir(path: str, option: str) -> str:
 
 
 def build_llm(args):
-    from onespec import LLM, Eagle3Config, MTPConfig
+    from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig
     model = resolve_model_dir(args.model, "--model")
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K) if draft else \
-        MTPConfig(num_nextn_predict_layers=args.mtp) if args.mtp else None
+    sa = dict(use_sa_enhancer=True, sa_min_match_len=args.sa_enhancer) \
+        if args.sa_enhancer else {}
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa) if draft else \
+        MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
+        NGramConfig(max_draft_len=args.ngram) if args.ngram else None
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
@@ -193,9 +219,12 @@ def cmd_generate(args):
     m = req.metrics
     line = (f"[{len(req.output_token_ids)} tokens in {elapsed:.2f}s, "
             f"{len(req.output_token_ids) / elapsed:.1f} tok/s, target steps {m.target_steps}")
-    if args.draft or args.mtp:
+    if args.draft or args.mtp or args.ngram:
         line += (f", acceptance length {m.acceptance_length:.2f}, drafts accepted "
                  f"{m.num_accepted_draft_tokens}/{m.num_draft_tokens}")
+    if args.sa_enhancer:
+        line += (f", automaton drafts accepted {m.num_sa_accepted_draft_tokens}/"
+                 f"{m.num_sa_draft_tokens}")
     print(f"{line}, finish_reason {req.finish_reason}]", file=sys.stderr)
 
 

@@ -95,6 +95,13 @@ def _check_drafting_options(cfg):
                              f"[1, max_draft_len + 1 = {cfg.max_draft_len + 1}], got {a!r}")
 
 
+def _check_sa_options(cfg):
+    """The suffix-automaton enhancer's options (Eagle3Config and MTPConfig)."""
+    if not isinstance(cfg.use_sa_enhancer, bool):
+        raise ValueError(f"use_sa_enhancer must be True or False, got {cfg.use_sa_enhancer!r}")
+    _check_int("sa_min_match_len", cfg.sa_min_match_len, 1)
+
+
 @dataclass
 class Eagle3Config:
     """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
@@ -108,6 +115,10 @@ class Eagle3Config:
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
     draft_dtype: str = "auto"                          # head precision; auto = the target's
+    # suffix-automaton enhancer: drafts from the request's own earlier tokens replace the
+    # head's when the current suffix occurred before with at least sa_min_match_len tokens
+    use_sa_enhancer: bool = False
+    sa_min_match_len: int = 4
 
     def __post_init__(self):
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -122,6 +133,7 @@ class Eagle3Config:
         _check_drafting_options(self)
         if self.draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
+        _check_sa_options(self)
 
 
 @dataclass
@@ -141,6 +153,8 @@ class MTPConfig:
     acceptance_window: int | None = None
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+    use_sa_enhancer: bool = False                      # as in Eagle3Config
+    sa_min_match_len: int = 4
 
     @property
     def max_draft_len(self) -> int:
@@ -171,4 +185,32 @@ class MTPConfig:
         if self.use_relaxed_acceptance_for_thinking and self.use_rejection_sampling:
             raise ValueError("relaxed acceptance is for greedy requests; it cannot be combined "
                              "with use_rejection_sampling")
+        _check_drafting_options(self)
+        _check_sa_options(self)
+
+
+@dataclass
+class NGramConfig:
+    """Model-free drafting by prompt lookup, for any target (docs/DECODING.md, "model-free
+    drafts"): the tokens that followed the latest earlier occurrence of the longest
+    matching n-gram of the request's tokens, n from max_matching_ngram_size down to
+    min_matching_ngram_size."""
+    max_draft_len: int = 3
+    max_matching_ngram_size: int = 3
+    min_matching_ngram_size: int = 1
+    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
+    max_concurrency: int | None = None                 # == {N: max_draft_len}
+    use_rejection_sampling: bool = False               # q of n-gram drafts is one-hot
+    acceptance_window: int | None = None
+    acceptance_length_threshold: float | None = None
+    force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+
+    def __post_init__(self):
+        _check_int("max_draft_len", self.max_draft_len, 1, 32)
+        _check_int("min_matching_ngram_size", self.min_matching_ngram_size, 1, 64)
+        _check_int("max_matching_ngram_size", self.max_matching_ngram_size,
+                   self.min_matching_ngram_size, 64)
+        if not isinstance(self.use_rejection_sampling, bool):
+            raise ValueError("use_rejection_sampling must be True or False, "
+                             f"got {self.use_rejection_sampling!r}")
         _check_drafting_options(self)

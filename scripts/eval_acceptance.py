@@ -2,6 +2,10 @@
 prompt-lookup decoding on the same model and prompts. Prints one JSON line per setting.
 
     python scripts/eval_acceptance.py --data data/stdlib/heldout.jsonl.gz [--device cuda]
+
+--sa-min-match 4 adds EAGLE-3 with the suffix-automaton enhancer (that minimum match
+length; a comma-separated list runs each) for every K; --ngram 5 adds onespec's n-gram
+drafter with K = 5 (a list runs each K); --no-hf leaves out transformers' prompt lookup.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import time
 
 import torch
 
-from onespec import LLM, Eagle3Config, SamplingParams
+from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
 from onespec.demo import HEAD_DIR, TARGET_DIR
 
 
@@ -68,6 +72,35 @@ def bf16_agreement(prompts, sp, k: int) -> dict:
             "sequences_identical": f"{identical}/{len(prompts)}"}
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def run_onespec(name: str, spec, prompts, sp, ref, device: str, baseline=None,
+                **fields) -> list[float]:
+    """Decodes the prompts with `spec` and prints its acceptance as one JSON line; returns
+    each prompt's acceptance length. baseline: those of another run, to count the prompts
+    whose acceptance this one lowers."""
+    llm = LLM(TARGET_DIR, device=device, dtype="float32", speculative_config=spec)
+    outs = llm.generate(prompts, sp)
+    st = llm.stats()
+    per_prompt = [o.metrics.acceptance_length for o in outs]
+    line = {"method": name, **fields, "device": str(llm.engine.device),
+            "acceptance_length": round(st["acceptance_length"], 3),
+            "acceptance_rate_per_position":
+                [round(r, 3) for r in st["acceptance_rate_per_position"]],
+            "identical_to_plain": [o.outputs[0].token_ids for o in outs] == ref}
+    if st["num_sa_draft_tokens"]:
+        line["sa_drafts"] = st["num_sa_draft_tokens"]
+        line["sa_accepted"] = st["num_sa_accepted_draft_tokens"]
+    if baseline is not None:
+        changes = [a - b for a, b in zip(per_prompt, baseline)]
+        line["prompts_lower_higher"] = [sum(c < 0 for c in changes), sum(c > 0 for c in changes)]
+        line["largest_drop"] = round(-min(changes), 3)
+    print(json.dumps(line), flush=True)
+    return per_prompt
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", default="data/stdlib/heldout.jsonl.gz")
@@ -76,6 +109,11 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
+    ap.add_argument("--sa-min-match", type=int_list, default=[],
+                    help="also run the suffix-automaton enhancer with these minimum matches")
+    ap.add_argument("--ngram", type=int_list, default=[],
+                    help="also run the n-gram drafter with these draft lengths")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
     args = ap.parse_args()
     dtype = "float32"
     plain = LLM(TARGET_DIR, device=args.device, dtype=dtype)
@@ -85,20 +123,20 @@ def main():
     device = str(plain.engine.device)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.gen_len} new",
           file=sys.stderr)
-    for k in [int(x) for x in args.ks.split(",")]:
-        llm = LLM(TARGET_DIR, device=args.device, dtype=dtype,
-                  speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=k))
-        outs = llm.generate(prompts, sp)
-        st = llm.stats()
-        print(json.dumps({"method": "onespec-eagle3", "k": k, "device": device,
-                          "acceptance_length": round(st["acceptance_length"], 3),
-                          "acceptance_rate_per_position":
-                              [round(r, 3) for r in st["acceptance_rate_per_position"]],
-                          "identical_to_plain": [o.outputs[0].token_ids for o in outs] == ref}),
-              flush=True)
+    for k in int_list(args.ks):
+        base = run_onespec("onespec-eagle3", Eagle3Config(HEAD_DIR, max_draft_len=k), prompts,
+                           sp, ref, args.device, k=k)
+        for m in args.sa_min_match:
+            spec = Eagle3Config(HEAD_DIR, max_draft_len=k, use_sa_enhancer=True,
+                                sa_min_match_len=m)
+            run_onespec("onespec-eagle3-sa", spec, prompts, sp, ref, args.device, base, k=k,
+                        sa_min_match_len=m)
+    for k in args.ngram:
+        run_onespec("onespec-ngram", NGramConfig(max_draft_len=k), prompts, sp, ref,
+                    args.device, k=k)
     if plain.engine.device.type == "cuda":
         print(json.dumps(bf16_agreement(prompts, sp, k=4)), flush=True)
-    for n in (3, 10):
+    for n in () if args.no_hf else (3, 10):
         print(json.dumps({**prompt_lookup(prompts, args.gen_len, plain.engine.device, n),
                           "device": device}), flush=True)
 

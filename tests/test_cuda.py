@@ -263,3 +263,25 @@ def test_long_context_attention_split_matches_unsplit(dtype, batch, rows):
     for got in outs:
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert not ta._tickets[q.device].any()
+
+
+@pytest.mark.parametrize("drafts", ["sa-enhancer", "ngram"])
+def test_host_drafts_in_graph_steps(pair, drafts):
+    """The suffix-automaton enhancer and the n-gram drafter with CUDA graphs: the same tokens
+    as plain decoding, graph steps replayed, none chained (host drafts are set after a step
+    is read, so the overlap scheduler does not launch ahead)."""
+    from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
+    target, hf, head = pair
+    prompts = PROMPTS + [[7, 8, 9, 10] * 6]
+    spec = Eagle3Config(head, max_draft_len=3, use_sa_enhancer=True, sa_min_match_len=2) \
+        if drafts == "sa-enhancer" else NGramConfig(max_draft_len=3)
+    llm = LLM(target, device="cuda", dtype="float32", max_batch_size=8, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
+    graphs = llm.engine.runner.graphs
+    assert graphs.num_replays > 0 and graphs.num_chained == 0
+    st = llm.stats()
+    assert st["num_accepted_draft_tokens"] > 0
+    if drafts == "sa-enhancer":
+        assert st["num_sa_accepted_draft_tokens"] > 0
+    assert_pool_full(llm)

@@ -145,13 +145,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def launched(model_dirs, tmp_path_factory):
-    """Both servers (plain, and with an EAGLE-3 head) launched at once; always terminated."""
+    """Both servers (plain, and with an EAGLE-3 head and the suffix-automaton enhancer)
+    launched at once; always terminated."""
     target, draft = model_dirs
     logs = tmp_path_factory.mktemp("server-logs")
     started = []
     try:
         started.append(Server(["--model", target], logs / "plain.log"))
         started.append(Server(["--model", target, "--draft", draft, "--k", "3",
+                               "--sa-enhancer", "2",
                                "--served-model-name", "tiny-eagle"], logs / "draft.log"))
         yield {"plain": started[0], "draft": started[1]}
     finally:
@@ -450,6 +452,8 @@ def test_draft_server_same_greedy_text_with_spec_metrics(servers, offline):
         spec = r.model_extra["onespec"]
         assert spec["num_draft_tokens"] > 0
         assert 0 <= spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+        assert 0 <= spec["num_sa_accepted_draft_tokens"] <= spec["num_sa_draft_tokens"] \
+            <= spec["num_draft_tokens"]
         assert spec["acceptance_length"] == pytest.approx(24 / spec["target_steps"])
     chunks = list(client.completions.create(model="tiny-eagle", prompt="hello world",
                                             max_tokens=24, stream=True,
@@ -457,6 +461,8 @@ def test_draft_server_same_greedy_text_with_spec_metrics(servers, offline):
     assert "".join(c.choices[0].text for c in chunks) == expected[0].text
     m = draft.metrics()
     assert m["onespec_draft_tokens_total"] > 0
+    # the prompts' greedy continuations repeat themselves: the automaton proposes drafts
+    assert m["onespec_sa_draft_tokens_total"] >= m["onespec_sa_accepted_draft_tokens_total"] > 0
     assert m["onespec_kv_blocks_free"] == m["onespec_kv_blocks_total"]
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import assert_pool_full, make_hf_model
-from onespec import LLM, Eagle3Config, SamplingParams
+from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
 from onespec.layers.sampler import probs_from_logits
+from onespec.speculative.suffix_automaton import SuffixAutomaton
 from train_utils import trained_head
 
 VOCAB, PROMPT, NUM_SAMPLES = 16, [3, 7, 1, 12, 5], 12000
@@ -23,8 +24,9 @@ def setup(tmp_path_factory):
     return str(tdir), hf, head
 
 
-def exact_joint(hf, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """P(t1, t2, t3 | PROMPT) under the filtered sampling distribution. [V, V, V]"""
+def exact_joint(hf, temperature: float, top_k: int, top_p: float,
+                prompt: list[int] = PROMPT) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) under the filtered sampling distribution. [V, V, V]"""
     def probs(seqs):
         with torch.no_grad():
             logits = hf(torch.tensor(seqs)).logits[:, -1].float()
@@ -32,9 +34,9 @@ def exact_joint(hf, temperature: float, top_k: int, top_p: float) -> torch.Tenso
         return probs_from_logits(logits, torch.full((n,), temperature),
                                  torch.full((n,), top_k), torch.full((n,), top_p))
     v = range(VOCAB)
-    p1 = probs([PROMPT])[0]
-    p2 = probs([PROMPT + [a] for a in v])                                    # [V, V]
-    p3 = probs([PROMPT + [a, b] for a in v for b in v]).view(VOCAB, VOCAB, VOCAB)
+    p1 = probs([prompt])[0]
+    p2 = probs([prompt + [a] for a in v])                                    # [V, V]
+    p3 = probs([prompt + [a, b] for a in v for b in v]).view(VOCAB, VOCAB, VOCAB)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -53,8 +55,32 @@ def chi_square_pvalue(samples: list[list[int]], joint: torch.Tensor) -> float:
                                          stat / 2))
 
 
-def sample_many(llm, sp) -> list[list[int]]:
-    outs = llm.generate([PROMPT] * NUM_SAMPLES, sp)
+def repeating_prompt(hf, top_k: int) -> list[int]:
+    """Of 256 random 8-token prompts, the one where the first model-free draft (what followed
+    the sampled first token earlier in the prompt) is likeliest to be accepted, so the test
+    sees many accepted drafts from a near-uniform random target."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, VOCAB, (256, 8), generator=g).tolist()
+    t = torch.tensor(VOCAB)
+    with torch.no_grad():
+        p1 = probs_from_logits(hf(torch.tensor(prompts)).logits[:, -1].float(),
+                               torch.ones(256), t.new_full((256,), top_k), torch.ones(256))
+        longer = [p + [a] for p in prompts for a in range(VOCAB)]
+        p2 = probs_from_logits(hf(torch.tensor(longer)).logits[:, -1].float(),
+                               torch.ones(len(longer)), t.new_full((len(longer),), top_k),
+                               torch.ones(len(longer)))
+    score = torch.zeros(256)
+    for i, seq in enumerate(longer):
+        sa = SuffixAutomaton()
+        sa.extend(seq)
+        _, cont = sa.continuation(1)
+        if cont:
+            score[i // VOCAB] += p1[i // VOCAB, seq[-1]] * p2[i, cont[0]]
+    return prompts[int(score.argmax())]
+
+
+def sample_many(llm, sp, prompt: list[int] = PROMPT) -> list[list[int]]:
+    outs = llm.generate([prompt] * NUM_SAMPLES, sp)
     assert_pool_full(llm)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -91,3 +117,28 @@ def test_chi_square_has_power(setup):
                                               force_acceptance_length=3.0))
     samples = sample_many(llm, sp)
     assert chi_square_pvalue(samples, exact_joint(hf, 1.0, 0, 1.0)) < 1e-6
+
+
+@pytest.mark.parametrize("drafts, rejection", [("sa-enhancer", True), ("ngram", False)],
+                         ids=["sa-enhancer-rejection", "ngram-exact-match"])
+def test_model_free_drafts_keep_target_distribution(setup, drafts, rejection):
+    """Drafts from the request's own tokens (suffix automaton over EAGLE-3, n-gram lookup)
+    are deterministic: their q is one-hot, so rejection sampling stays lossless with the
+    automaton's rows of q one-hot beside the head's own rows, and so does exact match.
+    (Both rules ran with both drafters when this was written; two cases keep the time.)"""
+    target, hf, head = setup
+    top_k = 2          # the target's two likeliest tokens: drafts that match them often
+    sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
+    spec = Eagle3Config(head, max_draft_len=2, use_rejection_sampling=rejection,
+                        use_sa_enhancer=True, sa_min_match_len=1) if drafts == "sa-enhancer" \
+        else NGramConfig(max_draft_len=2, use_rejection_sampling=rejection)
+    llm = LLM(target, device="cpu", dtype="float32", max_batch_size=256, seed=11,
+              speculative_config=spec)
+    prompt = repeating_prompt(hf, top_k)
+    samples = sample_many(llm, sp, prompt)
+    stats = llm.stats()
+    accepted = stats["num_sa_accepted_draft_tokens" if drafts == "sa-enhancer"
+                     else "num_accepted_draft_tokens"]
+    assert accepted > 0.05 * NUM_SAMPLES
+    joint = exact_joint(hf, 1.0, top_k, 1.0, prompt)
+    assert chi_square_pvalue(samples, joint) > 1e-4

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from onespec.config import Eagle3Config, EngineConfig, MTPConfig
+from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
                                      slots_per_step)
@@ -27,6 +27,7 @@ from onespec.models.registry import (load_target, load_tokenizer, resolve_device
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
+from onespec.speculative.host_drafts import make_host_drafter, record_sa_outcome
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.thinking import ThinkingPhase
 from onespec.speculative.worker import SpecWorker
@@ -47,7 +48,8 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, speculative_config: Eagle3Config | None = None):
+    def __init__(self, config: EngineConfig,
+                 speculative_config: Eagle3Config | MTPConfig | NGramConfig | None = None):
         self.config, self.spec_config = config, speculative_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -65,9 +67,13 @@ class Engine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        drafter = self._load_drafter(speculative_config) if speculative_config else None
+        # a model drafter runs in the step; host drafts (the suffix-automaton enhancer, the
+        # n-gram drafter) are set in _finish_step
+        drafter = self._load_drafter(speculative_config) \
+            if speculative_config and not isinstance(speculative_config, NGramConfig) else None
         self.drafter = drafter
-        self.max_draft_len = speculative_config.max_draft_len if drafter else 0
+        self.host_drafter = make_host_drafter(speculative_config)
+        self.max_draft_len = speculative_config.max_draft_len if speculative_config else 0
         k = self.max_draft_len
         if config.max_num_tokens < k + 1:
             raise ValueError(f"max_num_tokens must be >= max_draft_len + 1 = {k + 1}, "
@@ -182,7 +188,7 @@ class Engine:
         return backend
 
     def _default_draft_len(self, batch_size: int) -> int:
-        if self.drafter is None or not self.gate.enabled:
+        if self.spec_config is None or not self.gate.enabled:
             return 0
         return draft_len_for_batch(self.spec_config.draft_len_schedule, self.max_draft_len,
                                    batch_size)
@@ -308,7 +314,10 @@ class Engine:
     def _launch_next(self, current: PendingStep) -> PendingStep | None:
         """Launches the step after `current` for the same requests, if nothing would change
         it: no request waiting, none aborted, the same draft length, and room in every
-        request's blocks and budget for one more step whatever `current` accepts."""
+        request's blocks and budget for one more step whatever `current` accepts. Never with
+        host drafts: they are known only once `current` is read."""
+        if self.host_drafter is not None:
+            return None
         sched = self.scheduler
         reqs = current.batch.generation
         if sched.waiting or len(sched.running) != len(reqs) or \
@@ -326,9 +335,12 @@ class Engine:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
         had_drafts = [bool(r.draft_tokens) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
+        spans = [r.sa_draft_span if h else (0, 0) for r, h in zip(batch.generation, had_drafts)]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)
+        if self.host_drafter is not None:
+            self._host_drafts(batch, advanced, num_outputs[len(batch.context):], spans, live)
         self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
                                          if h and a])
         for req in advanced:
@@ -338,6 +350,19 @@ class Engine:
                 if req.metrics.num_draft_tokens:
                     self.gate.record(req.metrics.acceptance_length)
         return advanced
+
+    def _host_drafts(self, batch: ScheduledBatch, advanced: list[Request],
+                     num_outputs: list[int], spans: list[tuple[int, int]], live: list[bool]):
+        """After postprocess: counts the verified drafts that the suffix automaton proposed
+        and how many were emitted (RequestMetrics.num_sa_*), then sets the next drafts of
+        every request that goes on from its own tokens (host_drafts.py). num_outputs,
+        spans, live: per generation request, from before postprocess."""
+        for req, before, span, alive in zip(batch.generation, num_outputs, spans, live):
+            if span[1] > span[0] and alive and batch.k:
+                record_sa_outcome(req, batch.k, span, len(req.output_token_ids) - before)
+        for req in advanced:
+            if not req.is_finished:
+                self.host_drafter.propose(req)
 
     def _walk_thinking(self, batch: ScheduledBatch, num_outputs: list[int]):
         """Moves each request's thinking phase over the tokens this step fed or emitted: a

@@ -32,6 +32,8 @@ class RequestMetrics:
     # prompt tokens whose KV came from the prefix cache when the request was first
     # scheduled (None until then)
     num_cached_tokens: int | None = None
+    num_sa_draft_tokens: int = 0           # drafts verified that the suffix automaton proposed
+    num_sa_accepted_draft_tokens: int = 0  # of those, emitted
 
     @property
     def acceptance_length(self) -> float:
@@ -55,6 +57,8 @@ class Request:
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
+    draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)
+    sa_draft_span: tuple[int, int] = (0, 0)    # [start, end) of draft_tokens from the automaton
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prefix caching (engine/prefix_cache.py): hashes of full blocks so far, and the cache
     # records of the blocks this request computed or found cached, in order

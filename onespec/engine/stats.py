@@ -29,6 +29,8 @@ class SpecStats:
         t.num_accepted_draft_tokens += m.num_accepted_draft_tokens
         t.num_generated_tokens += m.num_generated_tokens
         t.num_relaxed_accepted_tokens += m.num_relaxed_accepted_tokens
+        t.num_sa_draft_tokens += m.num_sa_draft_tokens
+        t.num_sa_accepted_draft_tokens += m.num_sa_accepted_draft_tokens
         self.num_requests += 1
 
     def as_dict(self) -> dict:
@@ -40,6 +42,8 @@ class SpecStats:
             "num_draft_tokens": t.num_draft_tokens,
             "num_accepted_draft_tokens": t.num_accepted_draft_tokens,
             "num_relaxed_accepted_tokens": t.num_relaxed_accepted_tokens,
+            "num_sa_draft_tokens": t.num_sa_draft_tokens,
+            "num_sa_accepted_draft_tokens": t.num_sa_accepted_draft_tokens,
             "acceptance_length": t.acceptance_length,
             "acceptance_rate": (t.num_accepted_draft_tokens / t.num_draft_tokens
                                 if t.num_draft_tokens else 0.0),

@@ -32,6 +32,11 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge(
             "onespec_prefix_cache_hit_rate",
             "Engine-wide cached fraction of prompt tokens over finished requests", registry=r)
+        self.sa_draft_tokens = Counter("onespec_sa_draft_tokens",
+                                       "Draft tokens verified that the suffix automaton proposed",
+                                       registry=r)
+        self.sa_accepted_tokens = Counter("onespec_sa_accepted_draft_tokens",
+                                          "Suffix-automaton draft tokens accepted", registry=r)
         buckets = [1.0 + 0.25 * i for i in range(4 * max(max_draft_len, 1) + 1)]
         self.acceptance_hist = Histogram(
             "onespec_request_acceptance_length",
@@ -61,6 +66,8 @@ class ServerMetrics:
         self.target_steps.inc(m.target_steps)
         self.draft_tokens.inc(m.num_draft_tokens)
         self.accepted_tokens.inc(m.num_accepted_draft_tokens)
+        self.sa_draft_tokens.inc(m.num_sa_draft_tokens)
+        self.sa_accepted_tokens.inc(m.num_sa_accepted_draft_tokens)
         if m.target_steps:
             self.acceptance_hist.observe(m.acceptance_length)
 

@@ -54,6 +54,8 @@ class Job:
         m = self.metrics
         return {"target_steps": m.target_steps, "num_draft_tokens": m.num_draft_tokens,
                 "num_accepted_draft_tokens": m.num_accepted_draft_tokens,
+                "num_sa_draft_tokens": m.num_sa_draft_tokens,
+                "num_sa_accepted_draft_tokens": m.num_sa_accepted_draft_tokens,
                 "acceptance_length": m.acceptance_length}
 
     # ---- whole responses -----------------------------------------------------------------

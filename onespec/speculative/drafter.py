@@ -11,8 +11,9 @@
     to_target_ids(ids)                  draft ids -> target ids
     draft_vocab_target_ids()            the target id of every draft id         -> [Vd]
 
-eagle3.py and mtp.py implement it; a new drafting method (trees, n-gram, ...) adds one
-file here with a class of this shape.
+eagle3.py and mtp.py implement it; a new model drafter adds one file here with a class of
+this shape. Drafts from the request's own tokens (the suffix-automaton enhancer, n-gram
+lookup) need no model and run on the host after the step instead (host_drafts.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,95 @@
+"""Drafts proposed on the host from a request's own tokens (docs/DECODING.md, "model-free
+drafts"): the suffix-automaton enhancer on top of a model drafter, and the n-gram drafter
+for targets without one.
+
+Both run in the engine after a step's results are postprocessed: each request that goes on
+keeps an index of its tokens (a SuffixAutomaton or an NGramIndex, in Request.draft_index),
+extended by the tokens it gained, and its draft_tokens for the next step are set from it.
+The device step is untouched; the next step simply verifies what the request holds.
+
+Drafts from an index are deterministic given the tokens so far (their q is one-hot), so
+every acceptance rule stays lossless: strict and exact-match compare, and rejection
+sampling accepts d with probability p(d) and otherwise samples from p without d. With
+rejection sampling, the replaced rows of Request.draft_probs become one-hot.
+"""
+from __future__ import annotations
+
+from onespec.config import NGramConfig
+from onespec.engine.request import Request
+from onespec.speculative.ngram import NGramIndex
+from onespec.speculative.suffix_automaton import SuffixAutomaton
+
+
+def sync_index(req: Request, make) -> SuffixAutomaton | NGramIndex:
+    """req's index, created by make() on first use and extended by the tokens it has not
+    seen. A preempted request keeps its tokens (they are recomputed, not regenerated), so
+    its index stays valid across preemption and resumption."""
+    if req.draft_index is None:
+        req.draft_index = make()
+    index, prompt = req.draft_index, req.prompt_token_ids
+    seen = len(index)
+    if seen < len(prompt):
+        index.extend(prompt[seen:])
+        seen = len(prompt)
+    index.extend(req.output_token_ids[seen - len(prompt):])
+    return index
+
+
+def one_hot_rows(probs, tokens: list[int]):
+    """probs [K, V] (q of a request's drafts) with its first len(tokens) rows one-hot at
+    tokens."""
+    out = probs.clone()
+    out[:len(tokens)] = 0.0
+    out[list(range(len(tokens))), tokens] = 1.0
+    return out
+
+
+class SuffixEnhancer:
+    """Replaces a model drafter's drafts by the automaton's continuation when the current
+    suffix occurred before with at least min_match_len tokens: from the first draft, as
+    many as the continuation has (the model's drafts fill the rest). docs/DECODING.md says
+    why this rule and not a splice after the model's first drafts."""
+
+    def __init__(self, min_match_len: int, max_draft_len: int):
+        self.min_match_len, self.max_draft_len = min_match_len, max_draft_len
+
+    def propose(self, req: Request) -> None:
+        sa = sync_index(req, SuffixAutomaton)
+        req.sa_draft_span = (0, 0)
+        length, cont = sa.continuation(self.max_draft_len)
+        if length < self.min_match_len or not cont:
+            return
+        req.draft_tokens = cont + req.draft_tokens[len(cont):]
+        req.sa_draft_span = (0, len(cont))
+        if req.draft_probs is not None:
+            req.draft_probs = one_hot_rows(req.draft_probs, cont)
+
+
+class NGramDrafter:
+    """Prompt lookup: the whole draft from the request's own tokens (ngram.NGramIndex);
+    none when nothing matches (the step verifies padding, which stays lossless)."""
+
+    def __init__(self, min_n: int, max_n: int, max_draft_len: int):
+        self.min_n, self.max_n, self.max_draft_len = min_n, max_n, max_draft_len
+
+    def propose(self, req: Request) -> None:
+        index = sync_index(req, lambda: NGramIndex(self.min_n, self.max_n))
+        _, req.draft_tokens = index.propose(self.max_draft_len)
+        req.draft_probs = None
+
+
+def make_host_drafter(spec_config) -> SuffixEnhancer | NGramDrafter | None:
+    if isinstance(spec_config, NGramConfig):
+        return NGramDrafter(spec_config.min_matching_ngram_size,
+                            spec_config.max_matching_ngram_size, spec_config.max_draft_len)
+    if spec_config is not None and spec_config.use_sa_enhancer:
+        return SuffixEnhancer(spec_config.sa_min_match_len, spec_config.max_draft_len)
+    return None
+
+
+def record_sa_outcome(req: Request, k: int, span: tuple[int, int], emitted: int) -> None:
+    """Counts a verified step's automaton drafts: drafts span[0]..span[1]-1 of its k came
+    from the automaton, `emitted` tokens were emitted (drafts accepted + 1)."""
+    start, end = min(span[0], k), min(span[1], k)
+    req.metrics.num_sa_draft_tokens += end - start
+    req.metrics.num_sa_accepted_draft_tokens += max(min(end, emitted - 1) - start, 0)

@@ -1,11 +1,15 @@
 """Aggregate speculation counters (docs/DECODING.md, "metrics")."""
 from __future__ import annotations
 
+from collections import Counter
+
 from onespec.engine.request import RequestMetrics
 
 
 class SpecStats:
-    def __init__(self, max_draft_len: int):
+    def __init__(self, max_draft_len: int, policy=None):
+        self.policy = policy                    # DraftLenPolicy (draft_len_schedule="auto")
+        self.steps_by_k: Counter[int] = Counter()   # engine steps run at each draft length
         self.proposed = [0] * max_draft_len     # drafts verified at position j
         self.accepted = [0] * max_draft_len     # drafts accepted at position j
         self.totals = RequestMetrics()
@@ -13,6 +17,7 @@ class SpecStats:
 
     def record_step(self, k: int, num_accepted: list[int]):
         """num_accepted: per generation request whose drafts were real this step."""
+        self.steps_by_k[k] += 1
         for n in num_accepted:
             for j in range(k):
                 self.proposed[j] += 1
@@ -41,4 +46,6 @@ class SpecStats:
                                 if t.num_draft_tokens else 0.0),
             "acceptance_rate_per_position": [a / p if p else 0.0
                                              for a, p in zip(self.accepted, self.proposed)],
+            "steps_by_draft_len": dict(sorted(self.steps_by_k.items())),
+            **({"draft_len_policy": self.policy.as_dict()} if self.policy else {}),
         }

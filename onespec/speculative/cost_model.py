@@ -1,0 +1,136 @@
+"""Draft length chosen per step by a cost model (docs/DECODING.md, "Auto draft length").
+
+Each step the policy picks K in {0 .. max_draft_len} maximising expected tokens per second:
+
+    E[tokens | K] = 1 + sum_{i=1..K} prod_{j=1..i} a_j      (per generation request)
+    K*            = argmax_K  E[tokens | K] / t(bucket, K)
+
+a_j is the conditional acceptance rate of draft position j (accepted, given that the
+drafts before it were), exponentially averaged over the steps the engine runs; t is the
+step time of a batch-size bucket at draft length K, measured when the engine starts
+(engine/calibrate.py) and refreshed with every generation step's observed time. The batch
+size is the same for every K, so it cancels out of the argmax.
+
+K = 0 is always a candidate. While K = 0 (or any K < max_draft_len) runs, the positions
+past K are not observed, so their estimates would freeze; every `probe_every`-th choice
+below max_draft_len therefore runs one draft more than the best K (a probe), which
+observes the next position at a bounded cost (at most one step in `probe_every` at the
+next-best length). That is how speculation switches itself back on after acceptance
+recovers.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+DEFAULT_PRIOR = 0.5         # a_j before anything is observed
+DEFAULT_ALPHA = 0.05        # EMA weight of one observed draft (batch-size aware, see observe)
+DEFAULT_TIME_ALPHA = 0.1    # EMA weight of one observed step time
+DEFAULT_PROBE_EVERY = 16    # one probe (K + 1) per this many choices below max_draft_len
+DEFAULT_HYSTERESIS = 0.02   # keep the current K unless another is this much faster
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """1 + sum_{i<=k} prod_{j<=i} a_j: tokens one request emits per step at draft length k.
+
+    rates [0.5, 0.5], k 2 -> 1 + 0.5 + 0.25 = 1.75."""
+    total, run = 1.0, 1.0
+    for a in rates[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def bucket_for(buckets: list[int], batch_size: int) -> int:
+    """The smallest bucket >= batch_size (the largest one above them all)."""
+    return next((b for b in buckets if b >= batch_size), buckets[-1])
+
+
+class DraftLenPolicy:
+    """Chooses K per step from acceptance estimates and a step-time table.
+
+    step_times: {(bucket, K): seconds} for every bucket and every K in 0..max_draft_len.
+    """
+
+    def __init__(self, max_draft_len: int, step_times: dict[tuple[int, int], float],
+                 prior: float = DEFAULT_PRIOR, alpha: float = DEFAULT_ALPHA,
+                 time_alpha: float = DEFAULT_TIME_ALPHA, probe_every: int = DEFAULT_PROBE_EVERY,
+                 hysteresis: float = DEFAULT_HYSTERESIS):
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
+        for name, v in (("alpha", alpha), ("time_alpha", time_alpha)):
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every!r}")
+        self.max_draft_len = max_draft_len
+        self.buckets = sorted({b for b, _ in step_times})
+        missing = [(b, k) for b in self.buckets for k in range(max_draft_len + 1)
+                   if (b, k) not in step_times]
+        if not self.buckets or missing:
+            raise ValueError(f"step_times needs every K in 0..{max_draft_len} for each bucket; "
+                             f"missing {missing[:4]}")
+        self.step_times = dict(step_times)
+        self.rates = [prior] * max_draft_len            # a_j, j = 1..max_draft_len
+        self.alpha, self.time_alpha = alpha, time_alpha
+        self.probe_every, self.hysteresis = probe_every, hysteresis
+        self.chosen: Counter[int] = Counter()           # K per choice (probes included)
+        self.num_probes = 0
+        self._current = max_draft_len
+        self._since_probe = 0
+
+    # ---- choice --------------------------------------------------------------------------
+    def tokens_per_second(self, bucket: int, k: int) -> float:
+        return expected_tokens(self.rates, k) / self.step_times[(bucket, k)]
+
+    def best(self, batch_size: int) -> int:
+        """The K with the highest expected tokens per second (no probing); the current K
+        stays unless another beats it by more than the hysteresis margin."""
+        b = bucket_for(self.buckets, batch_size)
+        speed = [self.tokens_per_second(b, k) for k in range(self.max_draft_len + 1)]
+        top = max(range(len(speed)), key=speed.__getitem__)
+        if speed[top] <= speed[self._current] * (1.0 + self.hysteresis):
+            top = self._current
+        return top
+
+    def choose(self, batch_size: int) -> int:
+        """K for the next step: the best one, or one more than it on a probe step."""
+        k = self._current = self.best(batch_size)
+        if k < self.max_draft_len:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every:
+                self._since_probe = 0
+                self.num_probes += 1
+                k += 1
+        self.chosen[k] += 1
+        return k
+
+    # ---- observation ---------------------------------------------------------------------
+    def observe_acceptance(self, k: int, num_accepted: list[int]):
+        """num_accepted: per generation request with real drafts, tokens emitted (1..K+1).
+
+        Position j is tried by the requests whose first j - 1 drafts were accepted and
+        accepted by those that also kept draft j; its rate moves towards this batch's
+        ratio with weight 1 - (1 - alpha)^(tries), so a batch of n requests counts as n
+        single observations."""
+        for j in range(k):
+            tried = sum(1 for n in num_accepted if n - 1 >= j)
+            if not tried:
+                break
+            kept = sum(1 for n in num_accepted if n - 1 > j)
+            w = 1.0 - (1.0 - self.alpha) ** tried
+            self.rates[j] += w * (kept / tried - self.rates[j])
+
+    def observe_step_time(self, batch_size: int, k: int, seconds: float):
+        key = (bucket_for(self.buckets, batch_size), k)
+        if key in self.step_times and seconds > 0:
+            self.step_times[key] += self.time_alpha * (seconds - self.step_times[key])
+
+    def as_dict(self) -> dict:
+        """What llm.stats() and /metrics show: the table (ms), the estimates, the choices."""
+        return {
+            "acceptance_rate_estimates": [round(a, 4) for a in self.rates],
+            "step_ms": {f"{b}x{k}": round(1e3 * t, 4)
+                        for (b, k), t in sorted(self.step_times.items())},
+            "chosen_k": {k: self.chosen[k] for k in range(self.max_draft_len + 1)},
+            "num_probes": self.num_probes,
+        }

@@ -1,0 +1,199 @@
+"""The auto draft length: the cost model's choices, forced per-position acceptance, the
+engine switching K step by step without changing greedy output, config validation, and
+(on a GPU) a CUDA graph for every K the policy can choose."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
+from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
+from onespec.speculative.acceptance import forced_num_accepted_by_rates
+from onespec.speculative.cost_model import DraftLenPolicy, bucket_for, expected_tokens
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3] * 20, list(range(20, 40))]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+K = 4
+
+
+def table(buckets=(1, 4), cost=lambda b, k: 1.0):
+    return {(b, k): cost(b, k) for b in buckets for k in range(K + 1)}
+
+
+def drafts_cost(b, k):          # a draft adds 10 % to a step
+    return 1.0 + 0.1 * k
+
+
+def feed(policy, accepted_drafts: int, steps: int, batch: int = 4) -> list[int]:
+    """Runs `steps` choices; every request of a step keeps min(K, accepted_drafts) drafts.
+    Returns the chosen Ks."""
+    ks = []
+    for _ in range(steps):
+        k = policy.choose(batch)
+        ks.append(k)
+        policy.observe_acceptance(k, [1 + min(k, accepted_drafts)] * batch)
+    return ks
+
+
+def test_expected_tokens_worked_example():
+    assert expected_tokens([0.5, 0.5], 2) == 1.75
+    assert expected_tokens([0.7, 0.57, 0.45], 0) == 1.0
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+    assert bucket_for([1, 4, 8], 3) == 4 and bucket_for([1, 4, 8], 20) == 8
+
+
+def test_zero_acceptance_picks_k0():
+    policy = DraftLenPolicy(K, table(cost=drafts_cost))
+    ks = feed(policy, accepted_drafts=0, steps=200)
+    assert ks[-1] in (0, 1) and policy.best(4) == 0
+    assert policy.rates[0] < 0.05
+    probes = ks[-100:]
+    assert probes.count(0) >= 90            # only the probes draft
+
+
+def test_full_acceptance_equal_cost_picks_largest_k():
+    policy = DraftLenPolicy(K, table())
+    assert feed(policy, accepted_drafts=K, steps=50)[-10:] == [K] * 10
+
+
+def test_comes_back_from_k0():
+    policy = DraftLenPolicy(K, table(cost=drafts_cost), probe_every=8)
+    feed(policy, accepted_drafts=0, steps=200)
+    assert policy.best(4) == 0
+    ks = feed(policy, accepted_drafts=K, steps=300)       # acceptance recovers
+    assert ks[-1] == K and policy.best(4) == K
+    assert policy.num_probes > 0 and policy.as_dict()["chosen_k"][0] > 0
+
+
+def test_step_times_decide_per_bucket():
+    """Drafting is cheap at batch 1 and costly at batch 64: same acceptance, other K."""
+    cost = {1: lambda k: 1.0 + 0.05 * k, 64: lambda k: 1.0 + 0.6 * k}
+    policy = DraftLenPolicy(K, {(b, k): cost[b](k) for b in (1, 64) for k in range(K + 1)},
+                            prior=0.6)
+    assert policy.best(1) >= 3 and policy.best(64) == 0
+    for _ in range(200):                    # observed steps at batch 64 show drafts are free
+        for k in range(K + 1):
+            policy.observe_step_time(64, k, 1.0)
+    assert policy.best(64) == K
+
+
+def test_policy_rejects_incomplete_table():
+    with pytest.raises(ValueError, match="every K"):
+        DraftLenPolicy(K, {(1, 0): 1.0})
+
+
+def test_forced_rates_give_expected_acceptance():
+    rates = torch.tensor([0.7, 0.57, 0.45, 0.38, 0.31])
+    counts = torch.cat([forced_num_accepted_by_rates(rates, 64, 5, torch.tensor(s))
+                        for s in range(300)])                           # 19,200 draws
+    want = expected_tokens(rates.tolist(), 5)
+    assert counts.float().mean().item() == pytest.approx(want, abs=0.03)
+    for j, a in enumerate(rates.tolist()):          # conditional rate of each position
+        tried = (counts - 1 >= j).sum().item()
+        kept = (counts - 1 > j).sum().item()
+        assert kept / tried == pytest.approx(a, abs=0.03)
+    again = forced_num_accepted_by_rates(rates, 64, 5, torch.tensor(7))
+    assert torch.equal(again, forced_num_accepted_by_rates(rates, 64, 5, torch.tensor(7)))
+    assert forced_num_accepted_by_rates(torch.tensor([1.0, 0.0, 1.0]), 8, 3,
+                                        torch.tensor(0)).tolist() == [2] * 8
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(draft_len_schedule="fast"), "draft_len_schedule"),
+    (dict(draft_len_schedule="auto", max_concurrency=4), "not both"),
+    (dict(force_acceptance_rates=(0.5, 0.5)), "each of the"),
+    (dict(force_acceptance_rates=(0.5, 1.5, 0.5)), r"in \[0, 1\]"),
+    (dict(force_acceptance_rates="0.5"), "sequence"),
+    (dict(force_acceptance_rates=(0.5,) * 3, force_acceptance_length=2.0), "not both"),
+])
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Eagle3Config("head", max_draft_len=3, **kw)
+
+
+def test_config_accepts_auto_and_rates():
+    cfg = Eagle3Config("head", max_draft_len=2, draft_len_schedule="auto",
+                       force_acceptance_rates=[0.7, 0.5, 0.3])
+    assert cfg.draft_len_schedule == "auto" and cfg.force_acceptance_rates == (0.7, 0.5, 0.3)
+    assert MTPConfig(num_nextn_predict_layers=2, draft_len_schedule="auto").max_draft_len == 2
+    with pytest.raises(ValueError, match="draft_len_schedule"):
+        MTPConfig(num_nextn_predict_layers=2, draft_len_schedule="always")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir = tmp_path_factory.mktemp("target")
+    hf = make_hf_model(tdir, "llama", num_layers=6)
+    head = str(tmp_path_factory.mktemp("head"))
+    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
+    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(PROMPTS, GREEDY)
+    return str(tdir), head, [o.outputs[0].token_ids for o in plain]
+
+
+def auto_llm(target, head, **spec):
+    return LLM(target, device=TEST_DEVICE, dtype="float32", max_batch_size=4,
+               speculative_config=Eagle3Config(head, max_draft_len=3,
+                                               draft_len_schedule="auto", **spec))
+
+
+def test_auto_switches_k_and_stays_lossless(pair):
+    target, head, plain = pair
+    llm = auto_llm(target, head)
+    policy = llm.engine.policy
+    assert set(policy.step_times) == {(b, k) for b in (1, 2, 4) for k in range(4)}
+    assert all(t > 0 for t in policy.step_times.values())
+    assert llm.stats()["target_steps"] == 0       # the timed dummy steps are not counted
+    policy.probe_every, policy.hysteresis = 2, 0.0     # switch K often
+    policy.rates = [0.9, 0.0, 0.0]
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.stats()
+    used = {k for k, n in stats["steps_by_draft_len"].items() if n}
+    assert len(used) >= 2, stats["steps_by_draft_len"]
+    shown = stats["draft_len_policy"]
+    assert sum(shown["chosen_k"].values()) >= sum(stats["steps_by_draft_len"].values())
+    assert len(shown["acceptance_rate_estimates"]) == 3 and len(shown["step_ms"]) == 12
+    assert_pool_full(llm)
+
+
+def test_auto_turns_speculation_off_for_a_useless_head(pair):
+    """Random head on CPU: drafts are nearly never accepted, each costs time; auto ends up
+    at K = 0 but for probes, and output stays plain's."""
+    target, head, plain = pair
+    llm = auto_llm(target, head)
+    for _ in range(3):
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    policy = llm.engine.policy
+    assert policy.rates[0] < 0.3
+    assert policy.best(len(PROMPTS)) == 0
+    assert_pool_full(llm)
+
+
+def test_auto_with_forced_rates_measures_them(pair):
+    target, head, _ = pair
+    rates = (0.8, 0.5, 0.5)
+    llm = auto_llm(target, head, force_acceptance_rates=rates)
+    llm.engine.policy.probe_every = 1       # every K < 3 also tries one more position
+    llm.generate(PROMPTS * 2, SamplingParams(max_tokens=40, ignore_eos=True))
+    est = llm.engine.policy.rates
+    assert est[0] == pytest.approx(0.8, abs=0.2)
+    per_pos = llm.stats()["acceptance_rate_per_position"]
+    assert per_pos[0] == pytest.approx(0.8, abs=0.15)
+    assert_pool_full(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_captures_a_graph_for_every_k(pair):
+    target, head, plain = pair
+    llm = LLM(target, device="cuda", dtype="float32", max_batch_size=4,
+              attention_backend="triton",
+              speculative_config=Eagle3Config(head, max_draft_len=3, draft_len_schedule="auto"))
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    forced = llm.engine.runner.worker.forced_key
+    for b in graphs.buckets:
+        for k in range(4):
+            assert (b, k, forced) in graphs.graphs, (b, k)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert_pool_full(llm)

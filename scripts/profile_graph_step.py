@@ -29,7 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
-from onespec.bench_cli import build_llm, set_draft, write_model_dirs
+from onespec.bench_cli import build_llm, set_draft
+from onespec.bench_models import write_model_dirs
 
 MARK = "spin_kernel"
 

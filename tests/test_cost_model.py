@@ -197,3 +197,12 @@ def test_auto_captures_a_graph_for_every_k(pair):
             assert (b, k, forced) in graphs.graphs, (b, k)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
     assert_pool_full(llm)
+
+
+def test_step_times_are_made_monotone_in_k():
+    """A noisy table (K=1 measured faster than K=0) is pooled, not trusted."""
+    times = {(1, 0): 71.0, (1, 1): 23.0, (1, 2): 38.0, (1, 3): 65.0, (1, 4): 91.0}
+    policy = DraftLenPolicy(K, times)
+    assert policy.bucket_times(1) == pytest.approx([44.0, 44.0, 44.0, 65.0, 91.0])
+    policy = DraftLenPolicy(K, table(cost=drafts_cost))
+    assert policy.bucket_times(4) == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])

@@ -15,8 +15,9 @@ from onespec.engine.cuda_graph import DEFAULT_BUCKETS
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.cost_model import DraftLenPolicy
 
-WARMUP_STEPS = 2          # untimed (the first may capture a graph or compile kernels)
-TIMED_STEPS = 3           # the table keeps their median
+WARMUP_STEPS = 1          # untimed after each switch of K (its first step starts a chain)
+TIMED_STEPS = 3           # timed steps per K and round
+ROUNDS = 3                # rounds over every K: a load that comes and goes hits them alike
 PROMPT_LEN = 16
 CALIBRATION_SEED = 1234   # dummy prompts' token ids
 
@@ -31,36 +32,52 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(engine, batch_size: int, k: int) -> float | None:
-    """Median seconds of an engine step of `batch_size` generation requests at draft length
-    k; None if the pool could not hold them all at once. The requests are aborted after."""
+def _timed_step(engine) -> float:
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    engine.step()
+    _sync(engine.device)
+    return time.perf_counter() - t0
+
+
+def time_bucket(engine, batch_size: int, max_draft_len: int, rounds: int = ROUNDS, bar=None
+                ) -> dict[int, float] | None:
+    """{K: median seconds of an engine step of `batch_size` generation requests} for K in
+    0..max_draft_len, the Ks taken in turn for `rounds` rounds; None if the pool or
+    max_model_len cannot hold the requests throughout. The requests are aborted after."""
+    ks = range(max_draft_len + 1)
+    per_round = sum((k + 1) * (WARMUP_STEPS + TIMED_STEPS) for k in ks)
     prompt_len = min(PROMPT_LEN, engine.max_model_len // 4)
-    steps = WARMUP_STEPS + TIMED_STEPS
-    budget = max(1, min(steps * (k + 1) + 1, engine.max_model_len - prompt_len - 2 * k - 2))
+    room = engine.max_model_len - prompt_len - 2 * max_draft_len - 2
+    rounds = min(rounds, room // per_round)
+    if rounds < 1:
+        return None
     gen = torch.Generator().manual_seed(CALIBRATION_SEED + batch_size)
     prompts = torch.randint(0, engine.model.config.vocab_size, (batch_size, prompt_len),
                             generator=gen).tolist()
-    sp = SamplingParams(max_tokens=budget, ignore_eos=True)
-    engine.draft_len_fn = lambda num_requests: k
-    reqs = [engine.add_request(p, sp, request_id=f"calibration-{batch_size}-{k}-{i}")
+    sp = SamplingParams(max_tokens=rounds * per_round + 1, ignore_eos=True)
+    reqs = [engine.add_request(p, sp, request_id=f"calibration-{batch_size}-{i}")
             for i, p in enumerate(prompts)]
-    times = []
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    engine.draft_len_fn = lambda num_requests: max_draft_len     # the prefill steps
     try:
         while any(r.in_context for r in reqs) and not any(r.is_finished for r in reqs):
             engine.step()
-        for i in range(steps):
-            if engine.num_running() < batch_size or any(r.is_finished for r in reqs):
-                break
-            _sync(engine.device)
-            t0 = time.perf_counter()
-            engine.step()
-            _sync(engine.device)
-            if i >= WARMUP_STEPS:
-                times.append(time.perf_counter() - t0)
+        for _ in range(rounds):
+            for k in ks:
+                engine.draft_len_fn = lambda num_requests, k=k: k
+                for i in range(WARMUP_STEPS + TIMED_STEPS):
+                    if engine.num_running() < batch_size or any(r.is_finished for r in reqs):
+                        return None
+                    seconds = _timed_step(engine)
+                    if i >= WARMUP_STEPS:
+                        samples[k].append(seconds)
+                if bar is not None:
+                    bar.update(1)
     finally:
         for r in reqs:
             engine.abort(r.request_id)
-    return statistics.median(times) if len(times) == TIMED_STEPS else None
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def measure_step_times(engine, buckets: list[int], max_draft_len: int
@@ -69,15 +86,17 @@ def measure_step_times(engine, buckets: list[int], max_draft_len: int
     every K in 0..max_draft_len. A bucket whose requests do not fit takes the row of the
     nearest measured bucket below it; observed steps correct it if such batches run."""
     table: dict[tuple[int, int], float] = {}
-    todo = [(b, k) for b in buckets for k in range(max_draft_len + 1)]
-    for b, k in tqdm(todo, desc="measuring step times (auto draft length)", leave=False):
-        t = time_steps(engine, b, k)
-        if t is not None:
-            table[(b, k)] = t
+    total = len(buckets) * ROUNDS * (max_draft_len + 1)
+    with tqdm(total=total, desc="measuring step times (auto draft length)",
+              leave=False) as bar:
+        time_bucket(engine, buckets[0], max_draft_len, rounds=1)   # warm-up: first calls
+        for b in buckets:
+            times = time_bucket(engine, b, max_draft_len, bar=bar)
+            table.update({(b, k): t for k, t in (times or {}).items()})
     fitted = sorted({b for b, _ in table})
     if not fitted:
         raise ValueError("draft_len_schedule='auto' could not time a single request's step: "
-                         "the KV pool is too small (raise num_kv_blocks or lower max_model_len)")
+                         "the KV pool or max_model_len is too small for its dummy requests")
     for b in buckets:
         if b not in fitted:
             below = max((f for f in fitted if f < b), default=fitted[0])

@@ -79,14 +79,28 @@ class DraftLenPolicy:
         self._since_probe = 0
 
     # ---- choice --------------------------------------------------------------------------
+    def bucket_times(self, bucket: int) -> list[float]:
+        """The bucket's step times for K = 0..max_draft_len made non-decreasing in K (more
+        drafts never make a step cheaper, so a dip is measurement noise): neighbours out of
+        order are replaced by their mean (isotonic regression, pool adjacent violators)."""
+        blocks: list[list[float]] = []        # [sum, count] of each pooled run of Ks
+        for k in range(self.max_draft_len + 1):
+            blocks.append([self.step_times[(bucket, k)], 1])
+            while len(blocks) > 1 and \
+                    blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        return [total / count for total, count in blocks for _ in range(count)]
+
     def tokens_per_second(self, bucket: int, k: int) -> float:
-        return expected_tokens(self.rates, k) / self.step_times[(bucket, k)]
+        return expected_tokens(self.rates, k) / self.bucket_times(bucket)[k]
 
     def best(self, batch_size: int) -> int:
         """The K with the highest expected tokens per second (no probing); the current K
         stays unless another beats it by more than the hysteresis margin."""
-        b = bucket_for(self.buckets, batch_size)
-        speed = [self.tokens_per_second(b, k) for k in range(self.max_draft_len + 1)]
+        times = self.bucket_times(bucket_for(self.buckets, batch_size))
+        speed = [expected_tokens(self.rates, k) / t for k, t in enumerate(times)]
         top = max(range(len(speed)), key=speed.__getitem__)
         if speed[top] <= speed[self._current] * (1.0 + self.hysteresis):
             top = self._current

@@ -206,3 +206,32 @@ def test_step_times_are_made_monotone_in_k():
     assert policy.bucket_times(1) == pytest.approx([44.0, 44.0, 44.0, 65.0, 91.0])
     policy = DraftLenPolicy(K, table(cost=drafts_cost))
     assert policy.bucket_times(4) == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
+
+
+def test_metrics_export_chosen_k_and_the_policy(pair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from onespec.serve.async_engine import EngineSnapshot
+    from onespec.serve.metrics import ServerMetrics
+    target, head, _ = pair
+    llm = auto_llm(target, head)
+    metrics = ServerMetrics(3)
+
+    def scrape() -> dict:
+        text = metrics.render(EngineSnapshot(stats=llm.stats())).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    llm.generate(PROMPTS[:2], GREEDY)
+    first = scrape()
+    steps = llm.stats()["steps_by_draft_len"]
+    for k, n in steps.items():
+        assert first[("onespec_draft_len_steps_total", (("k", str(k)),))] == n
+    llm.generate(PROMPTS[:2], GREEDY)
+    second = scrape()             # counters move on by the new steps only
+    for k, n in llm.stats()["steps_by_draft_len"].items():
+        assert second[("onespec_draft_len_steps_total", (("k", str(k)),))] == n
+    est = llm.engine.policy.rates
+    assert second[("onespec_draft_len_acceptance_estimate", (("position", "1"),))] == \
+        pytest.approx(est[0], abs=1e-4)
+    assert second[("onespec_draft_len_step_seconds", (("bucket", "1"), ("k", "0")))] > 0

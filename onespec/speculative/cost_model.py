@@ -24,8 +24,9 @@ from collections import Counter
 
 DEFAULT_PRIOR = 0.5         # a_j before anything is observed
 DEFAULT_ALPHA = 0.05        # EMA weight of one observed draft (batch-size aware, see observe)
+MAX_STEP_WEIGHT = 0.5       # one step's share of an estimate, however large its batch
 DEFAULT_TIME_ALPHA = 0.1    # EMA weight of one observed step time
-DEFAULT_PROBE_EVERY = 16    # one probe (K + 1) per this many choices below max_draft_len
+DEFAULT_PROBE_EVERY = 32    # one probe (K + 1) per this many choices below max_draft_len
 DEFAULT_HYSTERESIS = 0.02   # keep the current K unless another is this much faster
 
 
@@ -125,13 +126,14 @@ class DraftLenPolicy:
         Position j is tried by the requests whose first j - 1 drafts were accepted and
         accepted by those that also kept draft j; its rate moves towards this batch's
         ratio with weight 1 - (1 - alpha)^(tries), so a batch of n requests counts as n
-        single observations."""
+        single observations, but at most MAX_STEP_WEIGHT (one step's binomial noise must
+        not decide alone)."""
         for j in range(k):
             tried = sum(1 for n in num_accepted if n - 1 >= j)
             if not tried:
                 break
             kept = sum(1 for n in num_accepted if n - 1 > j)
-            w = 1.0 - (1.0 - self.alpha) ** tried
+            w = min(MAX_STEP_WEIGHT, 1.0 - (1.0 - self.alpha) ** tried)
             self.rates[j] += w * (kept / tried - self.rates[j])
 
     def observe_step_time(self, batch_size: int, k: int, seconds: float):

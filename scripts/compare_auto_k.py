@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from onespec import LLM, Eagle3Config, SamplingParams  # noqa: E402
@@ -56,7 +58,11 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--max-k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads: on a shared small CPU, two threads that "
+                         "wait for each other make steps many times slower")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     configs = build(args)
     sp = SamplingParams(max_tokens=args.max_tokens)
     groups = [[PROMPTS[(g * args.batch + i) % len(PROMPTS)] for i in range(args.batch)]

@@ -198,7 +198,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=g).tolist()
     graphs = eng.runner.graphs
-    key = (graphs.bucket(args.batch), k, eng.runner.worker.force_acceptance_length)
+    key = (graphs.bucket(args.batch), k, eng.runner.worker.forced_key)
     reqs: list = []
 
     def restart(recapture: bool):

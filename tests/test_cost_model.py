@@ -71,10 +71,12 @@ def test_step_times_decide_per_bucket():
     policy = DraftLenPolicy(K, {(b, k): cost[b](k) for b in (1, 64) for k in range(K + 1)},
                             prior=0.6)
     assert policy.best(1) >= 3 and policy.best(64) == 0
-    for _ in range(200):                    # observed steps at batch 64 show drafts are free
-        for k in range(K + 1):
+    for k in range(K + 1):                  # observed steps at batch 64 show drafts are free
+        for _ in range(100):
             policy.observe_step_time(64, k, 1.0)
     assert policy.best(64) == K
+    policy.observe_step_time(64, 0, 9.0)    # a switch of K: not steady state, not taken
+    assert policy.step_times[(64, 0)] == pytest.approx(1.0, abs=0.01)
 
 
 def test_policy_rejects_incomplete_table():

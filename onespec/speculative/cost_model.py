@@ -78,6 +78,7 @@ class DraftLenPolicy:
         self.num_probes = 0
         self._current = max_draft_len
         self._since_probe = 0
+        self._last_k = -1                               # K of the last observed step
 
     # ---- choice --------------------------------------------------------------------------
     def bucket_times(self, bucket: int) -> list[float]:
@@ -137,8 +138,13 @@ class DraftLenPolicy:
             self.rates[j] += w * (kept / tried - self.rates[j])
 
     def observe_step_time(self, batch_size: int, k: int, seconds: float):
+        """A generation step's wall time moves its table entry. The first step after a
+        change of K is skipped: it cannot overlap the step before it (CUDA graphs chain
+        only steps of one K), so it costs more than the Ks' steady state, and every probe
+        would otherwise push the table against longer drafts."""
         key = (bucket_for(self.buckets, batch_size), k)
-        if key in self.step_times and seconds > 0:
+        switched, self._last_k = k != self._last_k, k
+        if key in self.step_times and seconds > 0 and not switched:
             self.step_times[key] += self.time_alpha * (seconds - self.step_times[key])
 
     def as_dict(self) -> dict:

@@ -212,10 +212,10 @@ def request_budget(args, k: int, acceptance: float) -> int:
     return 2 + steps * (k + 1)
 
 
-def measure_decode(llm, batch: int, draft: Draft, args) -> Measurement:
+def measure_decode(llm, batch: int, draft: Draft, args, **sampling) -> Measurement:
     """Prefill (untimed), warm-up steps, then `trials` runs of timed decode steps with no
     prefill chunk in them; every request stays running throughout. Requests are aborted at
-    the end."""
+    the end. `sampling`: further SamplingParams fields of every request."""
     from onespec import SamplingParams
     eng = llm.engine
     set_draft(eng, draft.k, draft.acceptance, draft.rates)
@@ -225,7 +225,7 @@ def measure_decode(llm, batch: int, draft: Draft, args) -> Measurement:
     prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
     k_max = eng.max_draft_len if auto else draft.k
     sp = SamplingParams(max_tokens=request_budget(args, k_max, draft.tokens_per_step),
-                        ignore_eos=True)
+                        ignore_eos=True, **sampling)
     reqs = [eng.add_request(p, sp) for p in prompts]
     try:
         while any(r.in_context for r in reqs):

@@ -120,8 +120,10 @@ class SpecWorker:
                 self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
             self.step_counter.add_(1)
             num_accepted = self._forced_counts(bg, k, rows.device)
-            if inp.grammar is not None and k:   # emit the (grammar-valid) drafts, then the
-                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)  # target's
+            if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
+                valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
+                num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
+                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)
         return tokens, accepted, num_accepted
 
     def _target_logits(self, rows, mask: RowMask | None):

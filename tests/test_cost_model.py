@@ -71,12 +71,15 @@ def test_step_times_decide_per_bucket():
     policy = DraftLenPolicy(K, {(b, k): cost[b](k) for b in (1, 64) for k in range(K + 1)},
                             prior=0.6)
     assert policy.best(1) >= 3 and policy.best(64) == 0
-    for k in range(K + 1):                  # observed steps at batch 64 show drafts are free
-        for _ in range(100):
-            policy.observe_step_time(64, k, 1.0)
-    assert policy.best(64) == K
-    policy.observe_step_time(64, 0, 9.0)    # a switch of K: not steady state, not taken
-    assert policy.step_times[(64, 0)] == pytest.approx(1.0, abs=0.01)
+    row = [policy.step_times[(64, k)] for k in range(K + 1)]
+    for _ in range(200):                    # the machine got twice as slow at batch 64
+        policy.observe_step_time(64, 0, 2.0)
+    assert [policy.step_times[(64, k)] for k in range(K + 1)] == \
+        pytest.approx([2 * t for t in row], rel=1e-3)           # the row follows the level
+    assert policy.step_times[(1, 2)] == cost[1](2)               # other buckets stay
+    assert policy.best(64) == 0
+    policy.observe_step_time(64, 3, 50.0)   # a switch of K: not steady state, not taken
+    assert policy.step_times[(64, 3)] == pytest.approx(2 * row[3], rel=1e-3)
 
 
 def test_policy_rejects_incomplete_table():

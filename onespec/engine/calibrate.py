@@ -16,8 +16,8 @@ from onespec.sampling_params import SamplingParams
 from onespec.speculative.cost_model import DraftLenPolicy
 
 WARMUP_STEPS = 1          # untimed after each switch of K (its first step starts a chain)
-TIMED_STEPS = 3           # timed steps per K and round
-ROUNDS = 3                # rounds over every K: a load that comes and goes hits them alike
+TIMED_STEPS = 4           # timed steps per K and round
+ROUNDS = 4                # rounds over every K: a load that comes and goes hits them alike
 PROMPT_LEN = 16
 CALIBRATION_SEED = 1234   # dummy prompts' token ids
 

@@ -138,14 +138,22 @@ class DraftLenPolicy:
             self.rates[j] += w * (kept / tried - self.rates[j])
 
     def observe_step_time(self, batch_size: int, k: int, seconds: float):
-        """A generation step's wall time moves its table entry. The first step after a
-        change of K is skipped: it cannot overlap the step before it (CUDA graphs chain
-        only steps of one K), so it costs more than the Ks' steady state, and every probe
-        would otherwise push the table against longer drafts."""
-        key = (bucket_for(self.buckets, batch_size), k)
+        """A generation step's wall time rescales its bucket's row of the table: the row
+        moves by the factor that takes the step's own entry a time_alpha of the way to
+        the observation. What changes while the engine runs (the machine's load, the
+        context length) changes every K's step alike, so the row keeps the relative costs
+        measured at start-up (in interleaved rounds) and follows the level; moving one
+        entry alone would let a load change make the K in use look cheaper or dearer than
+        the others. The first step after a change of K is skipped: it cannot overlap the
+        step before it (CUDA graphs chain only steps of one K), so it is dearer than the
+        steady state."""
+        bucket = bucket_for(self.buckets, batch_size)
         switched, self._last_k = k != self._last_k, k
-        if key in self.step_times and seconds > 0 and not switched:
-            self.step_times[key] += self.time_alpha * (seconds - self.step_times[key])
+        if (bucket, k) not in self.step_times or seconds <= 0 or switched:
+            return
+        factor = 1.0 + self.time_alpha * (seconds / self.step_times[(bucket, k)] - 1.0)
+        for j in range(self.max_draft_len + 1):
+            self.step_times[(bucket, j)] *= factor
 
     def as_dict(self) -> dict:
         """What llm.stats() and /metrics show: the table (ms), the estimates, the choices."""

@@ -25,7 +25,7 @@ def series_label(row: dict) -> str:
 
 
 def throughput_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """{label: [(batch, tok/s)]} of the onespec rows, plus 'bandwidth floor (plain)': the
+    """{label: [(batch, tok/s)]} of the onespec rows, plus 'plain at the bandwidth floor': the
     tok/s a plain step moving only its floor bytes would reach."""
     out: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
@@ -34,7 +34,7 @@ def throughput_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
         out.setdefault(series_label(row), []).append((row["batch"], row["tok_s"]))
         if row["k"] == 0:
             floor = row["batch"] / row["floor_ms"] * 1e3
-            out.setdefault("bandwidth floor (plain)", []).append((row["batch"], floor))
+            out.setdefault("plain at the bandwidth floor", []).append((row["batch"], floor))
     return {name: sorted(points) for name, points in out.items()}
 
 
@@ -44,7 +44,7 @@ def plot_throughput(rows: list[dict], path: str, title: str):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, points in throughput_series(rows).items():
-        style = dict(linestyle="--", color="grey") if name.startswith("bandwidth") else \
+        style = dict(linestyle="--", color="grey") if name.endswith("bandwidth floor") else \
             dict(linewidth=2.5, color="black") if name.startswith("auto") else {}
         ax.plot(*zip(*points), marker="o", label=name, **style)
     ax.set_xscale("log", base=2)

@@ -144,7 +144,7 @@ def test_bench_plot_series_and_missing_matplotlib(monkeypatch, capsys):
     series = bench_plot.throughput_series(rows)
     assert series == {"plain": [(1, 10.0), (2, 18.0)], "K=3 a=3": [(1, 20.0)],
                       "auto a=3": [(1, 19.0)],
-                      "bandwidth floor (plain)": [(1, 1000.0), (2, 2000.0)]}
+                      "plain at the bandwidth floor": [(1, 1000.0), (2, 2000.0)]}
     monkeypatch.setattr(bench_plot.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit) as e:
         main(["decode", *TINY, "--plot", "x.png"])

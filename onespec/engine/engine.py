@@ -329,15 +329,16 @@ class Engine:
 
     def _finish_step(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
-        had_drafts = [bool(r.draft_tokens) for r in batch.generation]
+        # drafts each request had for this step's K (fewer when K grew: the rest is padding)
+        real = [min(batch.k, len(r.draft_tokens)) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)
-        drafted = [n for n, h, a in zip(out.num_accepted, had_drafts, live) if h and a]
+        drafted = [(n, d) for n, d, a in zip(out.num_accepted, real, live) if d and a]
         self.stats.record_step(batch.k, drafted)
         if self.policy is not None:
-            self.policy.observe_acceptance(batch.k, drafted)
+            self.policy.observe_acceptance(drafted)
         for req in advanced:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

@@ -15,11 +15,12 @@ class SpecStats:
         self.totals = RequestMetrics()
         self.num_requests = 0
 
-    def record_step(self, k: int, num_accepted: list[int]):
-        """num_accepted: per generation request whose drafts were real this step."""
+    def record_step(self, k: int, drafted: list[tuple[int, int]]):
+        """drafted: (num_accepted, real drafts) per generation request that had drafts
+        this step; positions past its real drafts (padding after K grew) are not counted."""
         self.steps_by_k[k] += 1
-        for n in num_accepted:
-            for j in range(k):
+        for n, num_drafts in drafted:
+            for j in range(num_drafts):
                 self.proposed[j] += 1
                 self.accepted[j] += j < n - 1
 

@@ -27,7 +27,8 @@ DEFAULT_ALPHA = 0.05        # EMA weight of one observed draft (batch-size aware
 MAX_STEP_WEIGHT = 0.5       # one step's share of an estimate, however large its batch
 DEFAULT_TIME_ALPHA = 0.1    # EMA weight of one observed step time
 DEFAULT_PROBE_EVERY = 32    # one probe (K + 1) per this many choices below max_draft_len
-DEFAULT_HYSTERESIS = 0.02   # keep the current K unless another is this much faster
+DEFAULT_HYSTERESIS = 0.02
+PROBE_STEPS = 2             # steps a probe runs at K + 1 (see choose)   # keep the current K unless another is this much faster
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -78,6 +79,7 @@ class DraftLenPolicy:
         self.num_probes = 0
         self._current = max_draft_len
         self._since_probe = 0
+        self._probe_steps_left = 0
         self._last_k = -1                               # K of the last observed step
 
     # ---- choice --------------------------------------------------------------------------
@@ -109,31 +111,41 @@ class DraftLenPolicy:
         return top
 
     def choose(self, batch_size: int) -> int:
-        """K for the next step: the best one, or one more than it on a probe step."""
+        """K for the next step: the best one, or one more than it on a probe step. A probe
+        is PROBE_STEPS steps long: drafts are made by the step before the one that
+        verifies them, so the first step at K + 1 makes the extra draft and the second
+        verifies it."""
         k = self._current = self.best(batch_size)
         if k < self.max_draft_len:
-            self._since_probe += 1
-            if self._since_probe >= self.probe_every:
-                self._since_probe = 0
-                self.num_probes += 1
+            if self._probe_steps_left:
+                self._probe_steps_left -= 1
                 k += 1
+            else:
+                self._since_probe += 1
+                if self._since_probe >= self.probe_every:
+                    self._since_probe = 0
+                    self._probe_steps_left = PROBE_STEPS - 1
+                    self.num_probes += 1
+                    k += 1
         self.chosen[k] += 1
         return k
 
     # ---- observation ---------------------------------------------------------------------
-    def observe_acceptance(self, k: int, num_accepted: list[int]):
-        """num_accepted: per generation request with real drafts, tokens emitted (1..K+1).
+    def observe_acceptance(self, drafted: list[tuple[int, int]]):
+        """drafted: (tokens emitted 1..K+1, real drafts d) per generation request that had
+        drafts this step. d < K when K grew since the drafts were made (the rest is padding,
+        always rejected, so not an observation).
 
-        Position j is tried by the requests whose first j - 1 drafts were accepted and
-        accepted by those that also kept draft j; its rate moves towards this batch's
+        Position j is tried by the requests with a real draft j whose first j - 1 drafts
+        were accepted, and accepted by those that also kept draft j; its rate moves towards this batch's
         ratio with weight 1 - (1 - alpha)^(tries), so a batch of n requests counts as n
         single observations, but at most MAX_STEP_WEIGHT (one step's binomial noise must
         not decide alone)."""
-        for j in range(k):
-            tried = sum(1 for n in num_accepted if n - 1 >= j)
+        for j in range(max((d for _, d in drafted), default=0)):
+            tried = sum(1 for n, d in drafted if n - 1 >= j and d > j)
             if not tried:
                 break
-            kept = sum(1 for n in num_accepted if n - 1 > j)
+            kept = sum(1 for n, d in drafted if n - 1 > j and d > j)
             w = min(MAX_STEP_WEIGHT, 1.0 - (1.0 - self.alpha) ** tried)
             self.rates[j] += w * (kept / tried - self.rates[j])
 

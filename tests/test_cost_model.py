@@ -265,3 +265,18 @@ def test_metrics_export_chosen_k_and_the_policy(pair):
     assert second[("onespec_draft_len_acceptance_estimate", (("position", "1"),))] == \
         pytest.approx(est[0], abs=1e-4)
     assert second[("onespec_draft_len_step_seconds", (("bucket", "1"), ("k", "0")))] > 0
+
+
+def test_compare_script_on_the_demo_pair():
+    """scripts/compare_auto_k.py, short: plain, K = 1..2 and auto on the bundled pair give
+    the same greedy text (it exits 1 otherwise) and print the table."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "scripts", "compare_auto_k.py"),
+                           "--trials", "1", "--max-tokens", "8", "--max-k", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "auto / fastest fixed" in proc.stdout
+    assert '"config": "auto"' in proc.stdout and '"same_as_plain": true' in proc.stdout

@@ -11,6 +11,7 @@ The default matrix (4 batch sizes x K in 0,3,5 x 4 acceptance lengths, 3 trials 
 transformers) takes minutes even with --shape tiny. A short run, in seconds on a CPU:
   onespec bench --shape tiny --device cpu --batch-sizes 1 --ks 3 --acceptance max \\
       --gen-len 16 --trials 1 --no-hf
+
 Plain, every K and auto at the bundled pair's measured acceptance curve, plotted:
   onespec bench --ks 0,1,2,3,4,5,auto --acceptance-rates 0.70,0.57,0.45,0.38,0.31 \\
       --no-hf --plot auto.png

@@ -333,7 +333,8 @@ def run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best):
         if d.k == 0:
             plain[batch] = row
         elif base:
-            tqdm.write(f"[b={batch} K={d.k} a={m.acceptance_length:.2f}] speedup "
+            a = f"{d.acceptance:g}" if d.acceptance is not None else f"{m.acceptance_length:.2f}"
+            tqdm.write(f"[b={batch} K={d.k} a={a}] speedup "
                        f"{row['speedup']:.2f}x (tok/s vs plain); step {m.step_ms:.2f} ms vs "
                        f"plain {base['step_ms']:.2f} ms; floor {row['floor_ms']:.2f} ms = target "
                        f"{floors['target']:.2f} + head {floors['head']:.2f} + kv "

@@ -87,8 +87,8 @@ def measure_step_times(engine, buckets: list[int], max_draft_len: int
     nearest measured bucket below it; observed steps correct it if such batches run."""
     table: dict[tuple[int, int], float] = {}
     total = len(buckets) * ROUNDS * (max_draft_len + 1)
-    with tqdm(total=total, desc="measuring step times (auto draft length)",
-              leave=False) as bar:
+    with tqdm(total=total, desc="measuring step times (auto draft length)", leave=False,
+              disable=None) as bar:              # None: shown on a terminal only
         time_bucket(engine, buckets[0], max_draft_len, rounds=1)   # warm-up: first calls
         for b in buckets:
             times = time_bucket(engine, b, max_draft_len, bar=bar)

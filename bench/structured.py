@@ -76,8 +76,10 @@ def main(argv) -> int:
             for k, a in configs:
                 free = None
                 for structured in (None, constraint):
-                    m = bc.measure_decode(llm, batch, k, a, args, structured_outputs=structured)
-                    row, _ = bc.onespec_row(llm, batch, k, a, m, bandwidth)
+                    draft = bc.Draft(k, a)
+                    m = bc.measure_decode(llm, batch, draft, args,
+                                          structured_outputs=structured)
+                    row, _ = bc.onespec_row(llm, batch, draft, m, bandwidth)
                     row["structured"] = "json_schema" if structured else None
                     if structured is None:
                         free = row

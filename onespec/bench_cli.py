@@ -1,6 +1,7 @@
 """`onespec bench [decode]`: decode-phase throughput of a random-weight target, plain and with
-a one-model EAGLE-3 head at forced acceptance lengths, against a memory-bandwidth floor and
-Hugging Face transformers `generate`, all in one run.
+a one-model EAGLE-3 head at forced acceptance (lengths, or per-position rates), at fixed
+draft lengths and with the auto draft length, against a memory-bandwidth floor and Hugging
+Face transformers `generate`, all in one run.
 
 One JSON object per measured configuration goes to stdout; progress and a per-config
 breakdown go to stderr. speedup (both places) = tok/s with the head / plain tok/s at the
@@ -10,52 +11,37 @@ The default matrix (4 batch sizes x K in 0,3,5 x 4 acceptance lengths, 3 trials 
 transformers) takes minutes even with --shape tiny. A short run, in seconds on a CPU:
   onespec bench --shape tiny --device cpu --batch-sizes 1 --ks 3 --acceptance max \\
       --gen-len 16 --trials 1 --no-hf
+
+Plain, every K and auto at the bundled pair's measured acceptance curve, plotted:
+  onespec bench --ks 0,1,2,3,4,5,auto --acceptance-rates 0.70,0.57,0.45,0.38,0.31 \\
+      --no-hf --plot auto.png
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from onespec.bench_hf import run_hf
+from onespec.bench_models import (SHAPES, copy_bandwidth, release_memory, shape_label,
+                                  step_floor_parts, sync, write_model_dirs)
+from onespec.bench_moe import MTP_SHAPES
+from onespec.config import AUTO_DRAFT_LEN
 from onespec.engine.kv_cache import slots_per_step
-from onespec.bench_moe import (MTP_SHAPES, hf_weight_bytes, is_moe, moe_step_bytes,
-                               mtp_target_config)
-from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.cost_model import expected_tokens
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-# name -> (model label, target config.json, head layer shape + draft vocabulary)
-SHAPES = {
-    "llama3-8b": ("llama3-8b-shape",
-                  dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-                  dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                       num_key_value_heads=8, draft_vocab_size=32000)),
-    "tiny": ("tiny-shape",
-             dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000),
-             dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, draft_vocab_size=500)),
-}
-COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
-              max_position_embeddings=131072, tie_word_embeddings=False)
 MAX_ACCEPTANCE = "max"           # --acceptance item meaning K + 1 (every draft accepted)
-COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 MIN_STEP_TOKENS = 2048         # engine max_num_tokens (prefill chunk budget) at least
-
-
-def shape_label(shape: str) -> str:
-    return MTP_SHAPES[shape][0] if shape in MTP_SHAPES else SHAPES[shape][0]
+AUTO_MAX_DRAFT_LEN = 5         # auto's max_draft_len when --ks names no K > 0
+AUTO_WARMUP_STEPS = 32         # untimed steps before timing auto (its estimates settle)
 
 
 def parse_args(argv):
@@ -64,9 +50,16 @@ def parse_args(argv):
     p.add_argument("which", nargs="?", default="decode", choices=["decode"],
                    help="the benchmark")
     p.add_argument("--batch-sizes", default="1,8,32,64", help="concurrent requests")
-    p.add_argument("--ks", default="0,3,5", help="draft lengths; 0 (plain) always runs")
+    p.add_argument("--ks", default="0,3,5",
+                   help="draft lengths, and 'auto' (the cost model picks K per step, up to "
+                        "the largest K listed); 0 (plain) always runs")
     p.add_argument("--acceptance", default="1.0,2.0,3.0,max",
                    help="forced tokens per step; 'max' = K+1")
+    p.add_argument("--acceptance-rates", default=None,
+                   help="forced conditional acceptance rate of each draft position, e.g. "
+                        "0.70,0.57,0.45,0.38,0.31 (replaces --acceptance)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot tok/s against batch size (needs matplotlib: onespec[plot])")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=128,
                    help="tokens per request in the timed decode phase")
@@ -93,18 +86,37 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
-    args.ks = sorted({0} | {int(k) for k in args.ks.split(",")})
+    try:
+        args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+        ks = [k.strip() for k in args.ks.split(",")]
+        args.auto = AUTO_DRAFT_LEN in ks
+        args.ks = sorted({0} | {int(k) for k in ks if k != AUTO_DRAFT_LEN})
+        args.acceptance_rates = None if args.acceptance_rates is None else \
+            tuple(float(a) for a in args.acceptance_rates.split(","))
+    except ValueError as e:
+        p.error(f"--batch-sizes, --ks (integers or 'auto') and --acceptance-rates: {e}")
     args.acceptance = [a.strip() for a in args.acceptance.split(",")]
     args.hf_runs = [(c, int(b)) for c, b in (r.split(":") for r in args.hf_runs.split(","))]
     if min(args.batch_sizes) < 1 or min(args.ks) < 0 or args.gen_len < 1 \
             or args.prompt_len < 1 or args.warmup_steps < 0 or args.trials < 1:
         p.error("batch sizes, --gen-len, --prompt-len and --trials must be >= 1; "
                 "K, warm-up >= 0")
+    rates = args.acceptance_rates
+    if rates is not None and (len(rates) < auto_max_draft_len(args.ks)
+                              or not all(0.0 <= a <= 1.0 for a in rates)):
+        p.error(f"--acceptance-rates needs one rate in [0, 1] per draft position up to "
+                f"K = {auto_max_draft_len(args.ks)}, got {args.acceptance_rates}")
     bad = [c for c, _ in args.hf_runs if c not in ("static", "dynamic")]
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
+    if args.plot:
+        from onespec.bench_plot import check_matplotlib
+        check_matplotlib(p.error)
     return args
+
+
+def auto_max_draft_len(ks: list[int]) -> int:
+    return max(ks) or AUTO_MAX_DRAFT_LEN
 
 
 def spec_configs(ks: list[int], acceptance: list[str]) -> list[tuple[int, float]]:
@@ -119,105 +131,36 @@ def spec_configs(ks: list[int], acceptance: list[str]) -> list[tuple[int, float]
     return out
 
 
-# ---- models and bandwidth ------------------------------------------------------------------
-def target_config(shape: str) -> dict:
-    if shape in MTP_SHAPES:
-        return mtp_target_config(shape)
-    _, target, _ = SHAPES[shape]
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **target, **COMMON,
-            "head_dim": target["hidden_size"] // target["num_attention_heads"],
-            "bos_token_id": 1, "eos_token_id": 2}
-
-
-def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
-    """config.json files for load_format='dummy': the target and a SafeAILab-style head
-    (None for the MTP shapes: their drafter is the target's own MTP layer)."""
-    if shape in MTP_SHAPES:
-        path = os.path.join(root, "target")
-        os.makedirs(path)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(target_config(shape), f, indent=2)
-        return path, None
-    _, target, head = SHAPES[shape]
-    head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **head,
-                "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
-                "target_hidden_size": target["hidden_size"], **COMMON}
-    dirs = []
-    for name, cfg in (("target", target_config(shape)), ("head", head_cfg)):
-        path = os.path.join(root, name)
-        os.makedirs(path)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        dirs.append(path)
-    return dirs[0], dirs[1]
-
-
-def sync(device: str):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, reps: int = 10, trials: int = 5) -> float:
-    """Bytes/s of a large device-to-device copy_ (bytes read + written), best of `trials`."""
-    n = COPY_BYTES[device]
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = math.inf
-    for _ in range(trials):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds / reps)
-    del src, dst
-    return 2 * n / best
-
-
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def kv_bytes_per_token(attn_layers) -> int:
-    return sum(a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token") else
-               2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size() for a in attn_layers)
-
-
-def step_bytes(model, head, batch: int, k: int, kv_tokens: float,
-               target_kv_per_token: int, head_kv_per_token: int) -> dict[str, float]:
-    """Bytes one decode step must move. Target: every weight once but the embedding table
-    (one row per input token), plus its KV of `kv_tokens` keys summed over the batch. Head
-    (K > 0): fc once, its layer, norm and lm_head once per draft pass (K passes: step 0 and
-    K-1 single-token steps), its KV per pass."""
-    embed = model.model.embed_tokens.weight
-    rows = batch * (k + 1) * embed.shape[1] * embed.element_size()
-    weights = _nbytes(p for p in model.parameters() if p is not embed)
-    if model.lm_head.weight is embed:          # tied: the table is read whole as the lm_head
-        weights += _nbytes([embed])
-    out = {"target": weights + rows, "head": 0.0, "kv": kv_tokens * target_kv_per_token}
-    if head is not None and k > 0:
-        per_pass = _nbytes(p for n, p in head.named_parameters() if not n.startswith("fc."))
-        out["head"] = _nbytes(head.fc.parameters()) + k * per_pass
-        out["kv"] += k * kv_tokens * head_kv_per_token
-    return out
-
-
-def release_memory(device: str):
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ---- onespec -------------------------------------------------------------------------------
+@dataclass
+class Draft:
+    """What one measured configuration drafts: K (or "auto") and the forced acceptance,
+    as tokens per step or as per-position rates."""
+    k: int | str
+    acceptance: float | None           # forced tokens per step (None: auto at rates)
+    rates: tuple[float, ...] | None = None
+
+    @property
+    def tokens_per_step(self) -> float:
+        """For the step count and the request budget: E[tokens] (auto: assume 1)."""
+        if self.k == AUTO_DRAFT_LEN:
+            return self.acceptance or 1.0
+        return self.acceptance if self.rates is None else expected_tokens(self.rates, self.k)
+
+
+def draft_configs(args) -> tuple[list[Draft], list[Draft]]:
+    """(the fixed-K drafts, the auto drafts) that --ks, --acceptance and
+    --acceptance-rates ask for."""
+    rates, k_auto = args.acceptance_rates, auto_max_draft_len(args.ks)
+    if rates is not None:
+        fixed = [Draft(k, expected_tokens(rates, k), rates) for k in args.ks if k]
+        auto = [Draft(AUTO_DRAFT_LEN, None, rates)]
+    else:
+        fixed = [Draft(k, a) for k, a in spec_configs(args.ks, args.acceptance)]
+        auto = [Draft(AUTO_DRAFT_LEN, a) for _, a in spec_configs([k_auto], args.acceptance)]
+    return fixed, auto if args.auto else []
+
+
 @dataclass
 class Measurement:
     step_ms: float             # median of the trials
@@ -225,21 +168,25 @@ class Measurement:
     acceptance_length: float
     kv_tokens: float           # keys read per target layer per step, summed over the batch
     num_steps: int
+    k_histogram: dict[int, int] = field(default_factory=dict)   # timed steps at each K
 
 
-def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
+def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: bool = False):
     from onespec import LLM, Eagle3Config, MTPConfig
     max_model_len = args.prompt_len + max_tokens + 2 * k_max + 2
     block_size = 16
     blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
     batch = max(args.batch_sizes)
+    rates = getattr(args, "acceptance_rates", None)
+    forced = dict(force_acceptance_length=None if rates else 1.0, force_acceptance_rates=rates,
+                  draft_len_schedule=AUTO_DRAFT_LEN if auto else None)
     spec = None
     sa = getattr(args, "sa_enhancer", None)
     sa = dict(use_sa_enhancer=True, sa_min_match_len=sa) if sa else {}
     if k_max and head_dir is None:
-        spec = MTPConfig(num_nextn_predict_layers=k_max, force_acceptance_length=1.0, **sa)
+        spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa)
     elif k_max:
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0, **sa)
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
@@ -247,12 +194,14 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
                overlap_scheduler=getattr(args, "overlap_scheduler", True))
 
 
-def set_draft(engine, k: int, acceptance: float):
-    """Runs every following step with draft length k and forced acceptance on an engine
-    built with max_draft_len >= k (one engine serves every K)."""
-    engine.draft_len_fn = lambda num_requests: k
+def set_draft(engine, k: int | str, acceptance: float | None, rates=None):
+    """Runs every following step with draft length k (or the engine's auto policy) and
+    forced acceptance on an engine built with max_draft_len >= k (one engine serves every K)."""
+    if k != AUTO_DRAFT_LEN:
+        engine.draft_len_fn = lambda num_requests: k
     if engine.drafter is not None:
-        engine.runner.worker.force_acceptance_length = acceptance
+        engine.runner.worker.force_acceptance_length = None if rates else acceptance
+        engine.runner.worker.force_acceptance_rates = rates
 
 
 def num_timed_steps(gen_len: int, acceptance: float) -> int:
@@ -264,40 +213,42 @@ def request_budget(args, k: int, acceptance: float) -> int:
     the prefill steps (which may already decode early requests), warm-up and every trial's
     timed steps."""
     prefill_steps = -(-max(args.batch_sizes) * args.prompt_len // MIN_STEP_TOKENS) + 1
-    steps = prefill_steps + args.warmup_steps + \
+    steps = prefill_steps + max(args.warmup_steps, AUTO_WARMUP_STEPS) + \
         args.trials * num_timed_steps(args.gen_len, acceptance)
     return 2 + steps * (k + 1)
 
 
-def measure_decode(llm, batch: int, k: int, acceptance: float, args,
-                   **sampling) -> Measurement:
+def measure_decode(llm, batch: int, draft: Draft, args, **sampling) -> Measurement:
     """Prefill (untimed), warm-up steps, then `trials` runs of timed decode steps with no
     prefill chunk in them; every request stays running throughout. Requests are aborted at
     the end. `sampling`: further SamplingParams fields of every request."""
     from onespec import SamplingParams
     eng = llm.engine
-    set_draft(eng, k, acceptance)
+    set_draft(eng, draft.k, draft.acceptance, draft.rates)
+    auto = draft.k == AUTO_DRAFT_LEN
     gen = torch.Generator().manual_seed(args.seed + batch)
     vocab = eng.model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-    sp = SamplingParams(max_tokens=request_budget(args, k, acceptance), ignore_eos=True,
-                        **sampling)
+    k_max = eng.max_draft_len if auto else draft.k
+    sp = SamplingParams(max_tokens=request_budget(args, k_max, draft.tokens_per_step),
+                        ignore_eos=True, **sampling)
     reqs = [eng.add_request(p, sp) for p in prompts]
     try:
         while any(r.in_context for r in reqs):
             eng.step()
-        for _ in range(args.warmup_steps):
+        for _ in range(max(args.warmup_steps, AUTO_WARMUP_STEPS) if auto else args.warmup_steps):
             eng.step()
-        steps = num_timed_steps(args.gen_len, acceptance)
+        steps = num_timed_steps(args.gen_len, draft.tokens_per_step)
         tokens0 = sum(r.metrics.num_generated_tokens for r in reqs)
         target0 = sum(r.metrics.target_steps for r in reqs)
-        kv_tokens = 0
+        ks0 = dict(eng.stats.steps_by_k)
+        context = 0
         trials = []
         for _ in range(args.trials):
             sync(args.device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                kv_tokens += sum(r.num_computed for r in reqs) + batch * (k + 1)
+                context += sum(r.num_computed for r in reqs)
                 eng.step()
             sync(args.device)
             trials.append(1e3 * (time.perf_counter() - t0) / steps)
@@ -309,23 +260,27 @@ def measure_decode(llm, batch: int, k: int, acceptance: float, args,
     finally:
         for r in reqs:
             eng.abort(r.request_id)
+    hist = {k: n - ks0.get(k, 0) for k, n in eng.stats.steps_by_k.items() if n > ks0.get(k, 0)}
+    mean_k = sum(k * n for k, n in hist.items()) / max(1, sum(hist.values()))
     return Measurement(statistics.median(trials), trials, tokens / target_steps,
-                       kv_tokens / timed, timed)
+                       context / timed + batch * (mean_k + 1), timed, hist)
 
 
-def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> tuple[dict, dict]:
+def onespec_row(llm, batch, draft: Draft, m: Measurement, bandwidth: float
+                ) -> tuple[dict, dict]:
+    """The JSON row; a K-weighted floor for auto (each K's bytes times its share of steps)."""
     eng = llm.engine
-    head = eng.drafter.head if eng.drafter is not None else None
-    target_kv = kv_bytes_per_token([layer.self_attn for layer in eng.model.model.layers])
-    head_kv = kv_bytes_per_token(eng.drafter.attention_layers) if head is not None else 0
-    if isinstance(eng.drafter, MTPDrafter) or is_moe(eng.model):
-        parts = moe_step_bytes(eng.model, eng.drafter, batch, k, m.kv_tokens, target_kv,
-                               head_kv)
-    else:
-        parts = step_bytes(eng.model, head, batch, k, m.kv_tokens, target_kv, head_kv)
+    shares = {k: n / sum(m.k_histogram.values()) for k, n in m.k_histogram.items()} \
+        if draft.k == AUTO_DRAFT_LEN else {draft.k: 1.0}
+    mean_k = sum(k * w for k, w in shares.items())
+    context = m.kv_tokens - batch * (mean_k + 1)
+    parts = {"target": 0.0, "head": 0.0, "kv": 0.0}
+    for k, w in shares.items():
+        for name, b in step_floor_parts(eng, batch, k, context + batch * (k + 1)).items():
+            parts[name] += w * b
     floor_ms = 1e3 * sum(parts.values()) / bandwidth
     tok_s = batch * m.acceptance_length / m.step_ms * 1e3
-    row = {"k": k, "forced_acceptance_length": acceptance,
+    row = {"k": draft.k, "forced_acceptance_length": draft.acceptance,
            "acceptance_length": m.acceptance_length, "tok_s": tok_s, "step_ms": m.step_ms,
            "step_ms_trials": m.step_ms_trials,
            "floor_ms": floor_ms, "hbm_fraction": floor_ms / m.step_ms,
@@ -333,57 +288,13 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
            "overlap_scheduler": eng.config.overlap_scheduler,
            "sa_enhancer": eng.spec_config.sa_min_match_len
            if getattr(eng.spec_config, "use_sa_enhancer", False) else None,
-           "context_len": m.kv_tokens / batch}
+           "context_len": context / batch}
+    if draft.rates is not None:
+        row["forced_acceptance_rates"] = list(draft.rates[:eng.max_draft_len])
+    if draft.k == AUTO_DRAFT_LEN:
+        row["k_histogram"] = {str(k): n for k, n in sorted(m.k_histogram.items())}
+        row["mean_k"] = mean_k
     return row, {name: 1e3 * b / bandwidth for name, b in parts.items()}
-
-
-# ---- transformers baseline -----------------------------------------------------------------
-def hf_row(model, cache: str, batch: int, args, bandwidth: float) -> dict:
-    from onespec.bench_hf import time_decode
-    gen = torch.Generator().manual_seed(args.seed + batch)
-    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen)
-    step_ms, steps, warmup_s = time_decode(model, ids.to(args.device), args.gen_len, cache)
-    c = model.config
-    itemsize = next(model.parameters()).element_size()
-    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
-    if getattr(c, "kv_lora_rank", None):         # MLA: transformers caches the latent
-        kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * itemsize
-    kv_tokens = batch * (args.prompt_len + (steps + 1) / 2)      # keys read, mean over steps
-    embed = model.model.embed_tokens.weight
-    weights = hf_weight_bytes(model, batch) + batch * embed.shape[1] * embed.element_size()
-    floor_ms = 1e3 * (weights + kv_tokens * kv_per_token) / bandwidth
-    return {"k": 0, "forced_acceptance_length": 1.0, "acceptance_length": 1.0,
-            "tok_s": batch / step_ms * 1e3, "step_ms": step_ms, "floor_ms": floor_ms,
-            "hbm_fraction": floor_ms / step_ms, "baseline": "hf-transformers", "speedup": 1.0,
-            "engine": "hf-transformers", "cache": cache, "context_len": kv_tokens / batch,
-            "warmup_s": warmup_s}
-
-
-def run_hf(args, bandwidth: float, emit) -> dict[int, float]:
-    """Times every --hf-runs entry; returns the best transformers tok/s per batch."""
-    best: dict[int, float] = {}
-    try:
-        from onespec.bench_hf import build_hf_model
-        model = build_hf_model(target_config(args.shape), args.device, getattr(torch, args.dtype))
-    except Exception as e:                          # noqa: BLE001 - reported, not fatal
-        emit({"engine": "hf-transformers", "baseline": "hf-transformers", "error": repr(e)})
-        return best
-    for cache, batch in tqdm(args.hf_runs, desc="transformers generate", file=sys.stderr,
-                             disable=None):
-        try:
-            row = hf_row(model, cache, batch, args, bandwidth)
-            best[batch] = max(best.get(batch, 0.0), row["tok_s"])
-            emit({"batch": batch, **row})
-        except Exception as e:                      # noqa: BLE001 - reported, not fatal
-            emit({"batch": batch, "engine": "hf-transformers", "baseline": "hf-transformers",
-                  "cache": cache, "error": repr(e)})
-    del model
-    try:
-        torch._dynamo.reset()                       # compiled graphs hold the weights
-    except Exception:                               # noqa: BLE001
-        pass
-    release_memory(args.device)
-    return best
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -393,12 +304,15 @@ def _significant(x, digits: int = 5):
     return float(f"{x:.{digits}g}") if isinstance(x, float) else x
 
 
-def make_emitter(args, model_label: str, device_name: str):
+def make_emitter(args, model_label: str, device_name: str, rows: list | None = None):
+    """emit(row): one JSON line to stdout (and --out); `rows` collects what was emitted."""
     head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype}
 
     def emit(row: dict):
-        line = json.dumps({k: _significant(v) for k, v in
-                           {**head, **row, "device": device_name}.items()})
+        row = {k: _significant(v) for k, v in {**head, **row, "device": device_name}.items()}
+        if rows is not None:
+            rows.append(row)
+        line = json.dumps(row)
         print(line, flush=True)
         if args.out:
             with open(args.out, "a") as f:
@@ -407,47 +321,55 @@ def make_emitter(args, model_label: str, device_name: str):
 
 
 def run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best):
-    """Measures each (batch, K, a); plain (K=0) results fill `plain` {batch: row}."""
-    for batch, k, a in tqdm(configs, desc=f"onespec K<={max(c[1] for c in configs)}",
-                            file=sys.stderr, disable=None):
+    """Measures each (batch, Draft); plain (K=0) results fill `plain` {batch: row}."""
+    for batch, d in tqdm(configs, desc=f"onespec K<={llm.engine.max_draft_len}",
+                         file=sys.stderr, disable=None):
         try:
-            m = measure_decode(llm, batch, k, a, args)
-            row, floors = onespec_row(llm, batch, k, a, m, bandwidth)
+            m = measure_decode(llm, batch, d, args)
+            row, floors = onespec_row(llm, batch, d, m, bandwidth)
         except Exception as e:                      # noqa: BLE001 - reported, not fatal
-            emit({"batch": batch, "k": k, "forced_acceptance_length": a,
+            emit({"batch": batch, "k": d.k, "forced_acceptance_length": d.acceptance,
                   "engine": "onespec", "error": repr(e)})
             release_memory(args.device)
             continue
         base = plain.get(batch)
-        row["speedup"] = 1.0 if k == 0 else (row["tok_s"] / base["tok_s"] if base else None)
+        row["speedup"] = 1.0 if d.k == 0 else (row["tok_s"] / base["tok_s"] if base else None)
         if batch in hf_best:
             row["speedup_vs_hf"] = row["tok_s"] / hf_best[batch]
         emit({"batch": batch, **row})
-        if k == 0:
+        if d.k == 0:
             plain[batch] = row
         elif base:
-            tqdm.write(f"[b={batch} K={k} a={a:g}] speedup {row['speedup']:.2f}x (tok/s vs "
-                       f"plain); step {m.step_ms:.2f} ms vs plain {base['step_ms']:.2f} ms; "
-                       f"floor {row['floor_ms']:.2f} ms = target {floors['target']:.2f} + head "
-                       f"{floors['head']:.2f} + kv {floors['kv']:.2f}", file=sys.stderr)
+            a = f"{d.acceptance:g}" if d.acceptance is not None else f"{m.acceptance_length:.2f}"
+            tqdm.write(f"[b={batch} K={d.k} a={a}] speedup "
+                       f"{row['speedup']:.2f}x (tok/s vs plain); step {m.step_ms:.2f} ms vs "
+                       f"plain {base['step_ms']:.2f} ms; floor {row['floor_ms']:.2f} ms = target "
+                       f"{floors['target']:.2f} + head {floors['head']:.2f} + kv "
+                       f"{floors['kv']:.2f}", file=sys.stderr)
 
 
 def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
-    """Plain engine over every batch size first, then one engine with the head for all K."""
+    """Plain engine over every batch size first, then one engine with the head for every
+    fixed K, then one with draft_len_schedule='auto' (its step-time table measured when it
+    starts, as in serving)."""
     plain: dict[int, dict] = {}
-    spec = spec_configs(args.ks, args.acceptance)
+    fixed, auto = draft_configs(args)
     with tempfile.TemporaryDirectory(prefix="onespec-bench-") as root:
         target_dir, head_dir = write_model_dirs(args.shape, root)
-        phases = [(0, [(b, 0, 1.0) for b in args.batch_sizes])]
-        if spec:
-            phases.append((max(k for k, _ in spec),
-                           [(b, k, a) for b in args.batch_sizes for k, a in spec]))
-        for k_max, configs in phases:
-            budget = max(request_budget(args, k, a) for _, k, a in configs)
+        def per_batch(drafts):
+            return [(b, d) for b in args.batch_sizes for d in drafts]
+        phases = [(0, False, per_batch([Draft(0, 1.0)]))]
+        if fixed:
+            phases.append((max(d.k for d in fixed), False, per_batch(fixed)))
+        if auto:
+            phases.append((auto_max_draft_len(args.ks), True, per_batch(auto)))
+        for k_max, is_auto, configs in phases:
+            budget = max(request_budget(args, k_max, d.tokens_per_step) for _, d in configs)
             try:
-                llm = build_llm(target_dir, head_dir, k_max, args, budget)
+                llm = build_llm(target_dir, head_dir, k_max, args, budget, auto=is_auto)
             except Exception as e:                  # noqa: BLE001 - reported, not fatal
-                emit({"engine": "onespec", "k": k_max, "error": repr(e)})
+                emit({"engine": "onespec", "k": AUTO_DRAFT_LEN if is_auto else k_max,
+                      "error": repr(e)})
                 continue
             run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best)
             del llm
@@ -461,16 +383,22 @@ def main(argv=None) -> int:
         return 2
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     label = shape_label(args.shape)
-    emit = make_emitter(args, label, device_name)
+    rows: list[dict] = []
+    emit = make_emitter(args, label, device_name, rows)
     start = time.perf_counter()
     bandwidth = copy_bandwidth(args.device)
     print(f"[{label} on {device_name}, {args.dtype}] copy bandwidth {bandwidth / 1e9:.1f} GB/s",
           file=sys.stderr)
     hf_best = run_hf(args, bandwidth, emit) if args.hf else {}
     run_onespec(args, bandwidth, emit, hf_best)
+    if args.plot:
+        from onespec.bench_plot import plot_throughput
+        plot_throughput(rows, args.plot, f"{label} on {device_name}, {args.dtype}")
+        print(f"[plot written to {args.plot}]", file=sys.stderr)
     print(f"[bench done in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

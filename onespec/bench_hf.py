@@ -2,9 +2,14 @@
 model of the benchmark's shape, made on the device, timed per decode step."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
+
+from onespec.bench_models import release_memory, target_config
+from onespec.bench_moe import hf_weight_bytes
 
 
 def build_hf_model(config: dict, device: str, dtype: torch.dtype):
@@ -60,3 +65,49 @@ def time_decode(model, input_ids, num_steps: int, cache: str) -> tuple[float, in
     times = generate_step_times(model, input_ids, new_tokens, cache)
     steps = len(times) - 1
     return 1e3 * (times[-1] - times[0]) / steps, steps, warmup_s
+
+
+def hf_row(model, cache: str, batch: int, args, bandwidth: float) -> dict:
+    gen = torch.Generator().manual_seed(args.seed + batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen)
+    step_ms, steps, warmup_s = time_decode(model, ids.to(args.device), args.gen_len, cache)
+    c = model.config
+    itemsize = next(model.parameters()).element_size()
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
+    if getattr(c, "kv_lora_rank", None):         # MLA: transformers caches the latent
+        kv_per_token = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * itemsize
+    kv_tokens = batch * (args.prompt_len + (steps + 1) / 2)      # keys read, mean over steps
+    embed = model.model.embed_tokens.weight
+    weights = hf_weight_bytes(model, batch) + batch * embed.shape[1] * embed.element_size()
+    floor_ms = 1e3 * (weights + kv_tokens * kv_per_token) / bandwidth
+    return {"k": 0, "forced_acceptance_length": 1.0, "acceptance_length": 1.0,
+            "tok_s": batch / step_ms * 1e3, "step_ms": step_ms, "floor_ms": floor_ms,
+            "hbm_fraction": floor_ms / step_ms, "baseline": "hf-transformers", "speedup": 1.0,
+            "engine": "hf-transformers", "cache": cache, "context_len": kv_tokens / batch,
+            "warmup_s": warmup_s}
+
+
+def run_hf(args, bandwidth: float, emit) -> dict[int, float]:
+    """Times every --hf-runs entry; returns the best transformers tok/s per batch."""
+    best: dict[int, float] = {}
+    try:
+        model = build_hf_model(target_config(args.shape), args.device, getattr(torch, args.dtype))
+    except Exception as e:                          # noqa: BLE001 - reported, not fatal
+        emit({"engine": "hf-transformers", "baseline": "hf-transformers", "error": repr(e)})
+        return best
+    for cache, batch in tqdm(args.hf_runs, desc="transformers generate", file=sys.stderr,
+                             disable=None):
+        try:
+            row = hf_row(model, cache, batch, args, bandwidth)
+            best[batch] = max(best.get(batch, 0.0), row["tok_s"])
+            emit({"batch": batch, **row})
+        except Exception as e:                      # noqa: BLE001 - reported, not fatal
+            emit({"batch": batch, "engine": "hf-transformers", "baseline": "hf-transformers",
+                  "cache": cache, "error": repr(e)})
+    del model
+    try:
+        torch._dynamo.reset()                       # compiled graphs hold the weights
+    except Exception:                               # noqa: BLE001
+        pass
+    release_memory(args.device)
+    return best

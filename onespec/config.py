@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+AUTO_DRAFT_LEN = "auto"      # draft_len_schedule chosen per step by the cost model
 
 
 def _check_int(name: str, value, low: int, high: int | None = None, allow_none: bool = False):
@@ -72,9 +73,14 @@ def _check_drafting_options(cfg):
     if cfg.max_concurrency is not None:
         _check_int("max_concurrency", cfg.max_concurrency, 1)
         cfg.draft_len_schedule = {cfg.max_concurrency: cfg.max_draft_len}
-    if cfg.draft_len_schedule is not None:
+    if isinstance(cfg.draft_len_schedule, str):
+        if cfg.draft_len_schedule != AUTO_DRAFT_LEN:
+            raise ValueError(f"draft_len_schedule must be a {{batch_size: K}} dict or "
+                             f"{AUTO_DRAFT_LEN!r}, got {cfg.draft_len_schedule!r}")
+    elif cfg.draft_len_schedule is not None:
         if not isinstance(cfg.draft_len_schedule, dict) or not cfg.draft_len_schedule:
-            raise ValueError("draft_len_schedule must be a non-empty {batch_size: K} dict")
+            raise ValueError("draft_len_schedule must be a non-empty {batch_size: K} dict "
+                             f"or {AUTO_DRAFT_LEN!r}")
         sched = {}
         for bs, k in cfg.draft_len_schedule.items():
             _check_int("draft_len_schedule key (batch size)", int(bs), 1)
@@ -93,6 +99,23 @@ def _check_drafting_options(cfg):
         if not (1.0 <= a <= cfg.max_draft_len + 1):
             raise ValueError("force_acceptance_length must be in "
                              f"[1, max_draft_len + 1 = {cfg.max_draft_len + 1}], got {a!r}")
+    if cfg.force_acceptance_rates is not None:
+        _check_acceptance_rates(cfg)
+
+
+def _check_acceptance_rates(cfg):
+    if cfg.force_acceptance_length is not None:
+        raise ValueError("set force_acceptance_length or force_acceptance_rates, not both")
+    rates = cfg.force_acceptance_rates
+    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__"):
+        raise ValueError(f"force_acceptance_rates must be a sequence of numbers, got {rates!r}")
+    cfg.force_acceptance_rates = rates = tuple(rates)
+    if len(rates) < max(cfg.max_draft_len, 1):
+        raise ValueError(f"force_acceptance_rates needs a rate for each of the "
+                         f"max_draft_len = {cfg.max_draft_len} draft positions, got {len(rates)}")
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a <= 1.0
+               for a in rates):
+        raise ValueError(f"force_acceptance_rates must each be in [0, 1], got {rates!r}")
 
 
 def _check_sa_options(cfg):
@@ -108,12 +131,14 @@ class Eagle3Config:
     draft_model: str
     max_draft_len: int = 3
     layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default
-    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
+    draft_len_schedule: dict[int, int] | str | None = None   # {batch_size: K} | "auto"
     max_concurrency: int | None = None                 # == {N: max_draft_len}
     use_rejection_sampling: bool = False
     acceptance_window: int | None = None
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+    # benchmarks only: conditional acceptance rate of each draft position
+    force_acceptance_rates: tuple[float, ...] | None = None
     draft_dtype: str = "auto"                          # head precision; auto = the target's
     # suffix-automaton enhancer: drafts from the request's own earlier tokens replace the
     # head's when the current suffix occurred before with at least sa_min_match_len tokens
@@ -147,12 +172,14 @@ class MTPConfig:
     relaxed_delta: float = 0.0
     begin_thinking_phase_token: int | None = None
     end_thinking_phase_token: int | None = None
-    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
+    draft_len_schedule: dict[int, int] | str | None = None   # {batch_size: K} | "auto"
     max_concurrency: int | None = None                 # == {N: K}
     use_rejection_sampling: bool = False
     acceptance_window: int | None = None
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+    # benchmarks only: conditional acceptance rate of each draft position
+    force_acceptance_rates: tuple[float, ...] | None = None
     use_sa_enhancer: bool = False                      # as in Eagle3Config
     sa_min_match_len: int = 4
 

@@ -29,7 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from onespec import SamplingParams
-from onespec.bench_cli import build_llm, set_draft, write_model_dirs
+from onespec.bench_cli import build_llm, set_draft
+from onespec.bench_models import write_model_dirs
 
 MARK = "spin_kernel"
 
@@ -197,7 +198,7 @@ def run_mode(target_dir, head_dir, args, k: int, acceptance: float) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=g).tolist()
     graphs = eng.runner.graphs
-    key = (graphs.bucket(args.batch), k, eng.runner.worker.force_acceptance_length)
+    key = (graphs.bucket(args.batch), k, eng.runner.worker.forced_key)
     reqs: list = []
 
     def restart(recapture: bool):

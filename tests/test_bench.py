@@ -110,3 +110,49 @@ def test_bench_rejects_bad_counts(bad, capsys):
         main(["decode", *TINY, *bad])
     assert e.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_auto_and_rates_with_plot(tmp_path, capsys):
+    """--ks with auto and --acceptance-rates: one row per fixed K at the rates' expected
+    acceptance, one auto row with the Ks it chose, and the plot file."""
+    plot = tmp_path / "auto.png"
+    code = main(["decode", *TINY, "--batch-sizes", "1,2", "--ks", "0,1,2,auto",
+                 "--acceptance-rates", "1.0,0.0", "--gen-len", "6", "--prompt-len", "16",
+                 "--warmup-steps", "1", "--trials", "1", "--no-hf", "--plot", str(plot)])
+    assert code == 0
+    rows = parse_lines(capsys.readouterr().out)
+    assert sorted((r["batch"], str(r["k"])) for r in rows) == \
+        [(b, k) for b in (1, 2) for k in ("0", "1", "2", "auto")]
+    for row in rows:
+        check_row(row)
+        if row["k"] in (1, 2):        # rates [1, 0]: the first draft always, never the second
+            assert row["acceptance_length"] == 2.0 == row["forced_acceptance_length"]
+            assert row["forced_acceptance_rates"] == [1.0, 0.0]
+    for row in (r for r in rows if r["k"] == "auto"):
+        assert sum(row["k_histogram"].values()) > 0
+        assert 0 <= row["mean_k"] <= 2
+        assert row["forced_acceptance_length"] is None
+    assert plot.stat().st_size > 1000
+
+
+def test_bench_plot_series_and_missing_matplotlib(monkeypatch, capsys):
+    from onespec import bench_plot
+    rows = [{"engine": "onespec", "batch": b, "k": k, "tok_s": t, "floor_ms": 1.0,
+             "forced_acceptance_length": a, "forced_acceptance_rates": None}
+            for b, k, t, a in ((1, 0, 10.0, 1.0), (2, 0, 18.0, 1.0), (1, 3, 20.0, 3.0),
+                               (1, "auto", 19.0, 3.0))]
+    series = bench_plot.throughput_series(rows)
+    assert series == {"plain": [(1, 10.0), (2, 18.0)], "K=3 a=3": [(1, 20.0)],
+                      "auto a=3": [(1, 19.0)],
+                      "plain at the bandwidth floor": [(1, 1000.0), (2, 2000.0)]}
+    monkeypatch.setattr(bench_plot.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["decode", *TINY, "--plot", "x.png"])
+    assert e.value.code == 2
+    assert "onespec[plot]" in capsys.readouterr().err
+
+
+def test_bench_rejects_short_acceptance_rates(capsys):
+    with pytest.raises(SystemExit):
+        main(["decode", *TINY, "--ks", "0,3", "--acceptance-rates", "0.7,0.5"])
+    assert "--acceptance-rates" in capsys.readouterr().err

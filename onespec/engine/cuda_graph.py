@@ -160,7 +160,7 @@ class CudaGraphRunner:
 
     def capture(self, k: int, buckets=None):
         """Captures every bucket for draft length k (largest first: they share one pool)."""
-        key_a = self.worker.force_acceptance_length
+        key_a = self.worker.forced_key
         todo = [b for b in sorted(buckets or self.buckets, reverse=True)
                 if (b, k, key_a) not in self.graphs]
         buf = self._buffers(k)
@@ -218,7 +218,7 @@ class CudaGraphRunner:
         already captured (capturing would overwrite them)."""
         b = self.bucket(len(batch.generation))
         return (batch.k == prev.batch.k and b == prev.bucket and self.can_run(batch)
-                and (b, batch.k, self.worker.force_acceptance_length) in self.graphs)
+                and (b, batch.k, self.worker.forced_key) in self.graphs)
 
     def launch(self, batch: ScheduledBatch, chained: bool = False) -> PendingStep:
         """Enqueues the batch's step (inputs in, graph, results out) without waiting for
@@ -226,7 +226,7 @@ class CudaGraphRunner:
         _fill_inputs)."""
         reqs, k = batch.generation, batch.k
         b = self.bucket(len(reqs))
-        key = (b, k, self.worker.force_acceptance_length)
+        key = (b, k, self.worker.forced_key)
         if key not in self.graphs:
             self.capture(k, [b])
         buf = self._buffers(k)

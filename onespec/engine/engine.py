@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
-from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
                                      slots_per_step)
@@ -100,7 +102,8 @@ class Engine:
                             use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
                             generator=self.generator, attn_backend=backend,
-                            relaxed_topk=sc.relaxed_topk if relaxed else None)
+                            relaxed_topk=sc.relaxed_topk if relaxed else None,
+                            force_acceptance_rates=sc.force_acceptance_rates if sc else None)
         graphs = None
         if config.cuda_graphs and self.kernel_settings.triton:
             graphs = CudaGraphRunner(worker, config.block_size,
@@ -110,8 +113,10 @@ class Engine:
         self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs, self.grammars)
-        if graphs is not None:
-            graphs.capture(k)
+        auto = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
+        if graphs is not None:       # auto may choose any K: every one is captured now
+            for graph_k in (range(k + 1) if auto else [k]):
+                graphs.capture(graph_k)
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
                                     sc.acceptance_length_threshold if sc else None)
         self.stats = SpecStats(k)
@@ -119,6 +124,11 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
+        self.policy = None           # DraftLenPolicy with draft_len_schedule="auto"
+        if auto:                     # times dummy steps: counters start after them
+            self.policy = build_policy(self)
+            self.stats = SpecStats(k, self.policy)
+            self.draft_len_fn = self._auto_draft_len
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
@@ -193,6 +203,9 @@ class Engine:
         return draft_len_for_batch(self.spec_config.draft_len_schedule, self.max_draft_len,
                                    batch_size)
 
+    def _auto_draft_len(self, batch_size: int) -> int:
+        return self.policy.choose(batch_size) if self.gate.enabled else 0
+
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -252,6 +265,7 @@ class Engine:
         (_isolate_failure): only a request that fails alone ends, with finish_reason
         "error"."""
         batch, out = None, None
+        start = time.perf_counter()
         try:
             if self._inflight is None:
                 k = self.draft_len_fn(self.scheduler.num_candidates)
@@ -275,6 +289,9 @@ class Engine:
         except BaseException:
             self._inflight = None
             raise
+        if self.policy is not None and not batch.context:
+            self.policy.observe_step_time(len(batch.generation), batch.k,
+                                          time.perf_counter() - start)
         try:
             return self._finish_step(batch, out)
         except BaseException:
@@ -333,16 +350,19 @@ class Engine:
 
     def _finish_step(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         live = [r.status == RequestStatus.RUNNING for r in batch.generation]
-        had_drafts = [bool(r.draft_tokens) for r in batch.generation]
+        # drafts each request had for this step's K (fewer when K grew: the rest is padding)
+        real = [min(batch.k, len(r.draft_tokens)) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
-        spans = [r.sa_draft_span if h else (0, 0) for r, h in zip(batch.generation, had_drafts)]
+        spans = [r.sa_draft_span if d else (0, 0) for r, d in zip(batch.generation, real)]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)
         if self.host_drafter is not None:
             self._host_drafts(batch, advanced, num_outputs[len(batch.context):], spans, live)
-        self.stats.record_step(batch.k, [n for n, h, a in zip(out.num_accepted, had_drafts, live)
-                                         if h and a])
+        drafted = [(n, d) for n, d, a in zip(out.num_accepted, real, live) if d and a]
+        self.stats.record_step(batch.k, drafted)
+        if self.policy is not None:
+            self.policy.observe_acceptance(drafted)
         for req in advanced:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

@@ -1,11 +1,15 @@
 """Aggregate speculation counters (docs/DECODING.md, "metrics")."""
 from __future__ import annotations
 
+from collections import Counter
+
 from onespec.engine.request import RequestMetrics
 
 
 class SpecStats:
-    def __init__(self, max_draft_len: int):
+    def __init__(self, max_draft_len: int, policy=None):
+        self.policy = policy                    # DraftLenPolicy (draft_len_schedule="auto")
+        self.steps_by_k: Counter[int] = Counter()   # engine steps run at each draft length
         self.proposed = [0] * max_draft_len     # drafts verified at position j
         self.accepted = [0] * max_draft_len     # drafts accepted at position j
         self.totals = RequestMetrics()
@@ -13,10 +17,12 @@ class SpecStats:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0            # prompt tokens found in the prefix cache
 
-    def record_step(self, k: int, num_accepted: list[int]):
-        """num_accepted: per generation request whose drafts were real this step."""
-        for n in num_accepted:
-            for j in range(k):
+    def record_step(self, k: int, drafted: list[tuple[int, int]]):
+        """drafted: (num_accepted, real drafts) per generation request that had drafts
+        this step; positions past its real drafts (padding after K grew) are not counted."""
+        self.steps_by_k[k] += 1
+        for n, num_drafts in drafted:
+            for j in range(num_drafts):
                 self.proposed[j] += 1
                 self.accepted[j] += j < n - 1
 
@@ -53,4 +59,6 @@ class SpecStats:
             "num_cached_tokens": self.num_cached_tokens,
             "prefix_cache_hit_rate": (self.num_cached_tokens / self.num_prompt_tokens
                                       if self.num_prompt_tokens else 0.0),
+            "steps_by_draft_len": dict(sorted(self.steps_by_k.items())),
+            **({"draft_len_policy": self.policy.as_dict()} if self.policy else {}),
         }

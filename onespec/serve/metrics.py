@@ -54,6 +54,16 @@ class ServerMetrics:
                              registry=r)
         self.running = Gauge("onespec_num_requests_running", "Requests running in the engine",
                              registry=r)
+        self.steps_by_k = Counter("onespec_draft_len_steps",
+                                  "Engine steps run at each draft length K (chosen per step "
+                                  "with draft_len_schedule='auto')", ["k"], registry=r)
+        self.rate_estimate = Gauge("onespec_draft_len_acceptance_estimate",
+                                   "Auto draft length: estimated acceptance rate of each draft "
+                                   "position", ["position"], registry=r)
+        self.step_time = Gauge("onespec_draft_len_step_seconds",
+                               "Auto draft length: step time table by batch bucket and K",
+                               ["bucket", "k"], registry=r)
+        self._steps_seen: dict[int, int] = {}
 
     def record_request(self, endpoint: str, finish_reason: str, num_prompt_tokens: int,
                        m: RequestMetrics):
@@ -80,4 +90,20 @@ class ServerMetrics:
         self.running.set(snap.num_running)
         self.acceptance_length.set(snap.stats.get("acceptance_length", 0.0))
         self.cache_hit_rate.set(snap.stats.get("prefix_cache_hit_rate", 0.0))
+        self._render_draft_len(snap.stats)
         return generate_latest(self.registry)
+
+    def _render_draft_len(self, stats: dict):
+        """Chosen-K counters (moved on by the steps since the last scrape) and, with the
+        auto draft length, its acceptance estimates and step-time table."""
+        for k, n in stats.get("steps_by_draft_len", {}).items():
+            self.steps_by_k.labels(str(k)).inc(n - self._steps_seen.get(k, 0))
+            self._steps_seen[k] = n
+        policy = stats.get("draft_len_policy")
+        if policy is None:
+            return
+        for j, a in enumerate(policy["acceptance_rate_estimates"]):
+            self.rate_estimate.labels(str(j + 1)).set(a)
+        for key, ms in policy["step_ms"].items():
+            bucket, k = key.split("x")
+            self.step_time.labels(bucket, k).set(ms / 1e3)

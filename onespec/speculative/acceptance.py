@@ -18,6 +18,7 @@ from onespec.layers.sampler import (ACCEPT_DRAW, SeededRows, counter_uniform, fi
 FORCED_POOL_SIZE = 4096
 FORCED_POOL_SEED = 0
 FORCED_POOL_STRIDE = 131   # step stride into the pool; coprime with the pool size
+FORCED_RATE_DRAW = 3       # counter_uniform kind of forced per-position draws (not a sampler's)
 _forced_pools: dict[str, Tensor] = {}
 _forced_counts: dict[tuple, Tensor] = {}
 
@@ -114,6 +115,20 @@ def forced_num_accepted(acceptance_length: float, num_requests: int, k: int, ste
     idx = torch.arange(num_requests, device=device).add_(step, alpha=FORCED_POOL_STRIDE) \
         .remainder_(FORCED_POOL_SIZE)
     return _forced_counts[key][idx]
+
+
+def forced_num_accepted_by_rates(rates: Tensor,   # [>= K] float32 conditional rate a_j
+                                 num_requests: int, k: int, step: Tensor,  # [] int64
+                                 ) -> Tensor:      # [num_requests] int64 in [1, K+1]
+    """Benchmark override by per-position rates: draft j of request i is kept when
+    u(step, i, j) < a_j, and n = 1 + the number of leading kept drafts, so
+    E[n] = 1 + sum_{i<=K} prod_{j<=i} a_j. u is counter_uniform of (step, request i,
+    column j): a pure function on the device, identical on every rank and graph-safe.
+
+    rates [1.0, 0.0, 1.0], K 3 -> n 2 for every request (the second draft always fails)."""
+    rows = torch.arange(num_requests, device=rates.device)                  # [B]
+    u = counter_uniform(step, rows, FORCED_RATE_DRAW, max(k, 1))[:, :k]     # [B, K]
+    return 1 + _num_leading_true(u < rates[:k])
 
 
 def forced_run(draft_tokens: Tensor,   # [B, K] int64

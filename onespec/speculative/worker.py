@@ -14,8 +14,9 @@ from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata
                                       build_attention_metadata)
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
-from onespec.speculative.acceptance import (forced_num_accepted, forced_run, rejection_accept,
-                                            relaxed_accept, strict_accept)
+from onespec.speculative.acceptance import (forced_num_accepted, forced_num_accepted_by_rates,
+                                            forced_run, rejection_accept, relaxed_accept,
+                                            strict_accept)
 from onespec.speculative.drafter import Drafter
 from onespec.structured.step import RowMask, StepGrammar
 
@@ -59,11 +60,14 @@ class StepResults:
 class SpecWorker:
     def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
                  force_acceptance_length: float | None = None, generator=None,
-                 attn_backend: str = "torch", relaxed_topk: int | None = None):
+                 attn_backend: str = "torch", relaxed_topk: int | None = None,
+                 force_acceptance_rates: tuple[float, ...] | None = None):
         self.target, self.drafter = target, drafter
         self.relaxed_topk = relaxed_topk      # relaxed acceptance for greedy batches
         self.use_rejection_sampling = use_rejection_sampling
         self.force_acceptance_length = force_acceptance_length
+        self.force_acceptance_rates = force_acceptance_rates   # per draft position
+        self._rate_tensors: dict[tuple, torch.Tensor] = {}
         self.generator = generator           # for rows of unseeded requests
         self.attn_backend = attn_backend
         self.step_counter = None              # [] int64 on the device (graph-safe)
@@ -115,8 +119,7 @@ class SpecWorker:
             if self.step_counter is None:
                 self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
             self.step_counter.add_(1)
-            num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
-                                               self.step_counter, rows.device)
+            num_accepted = self._forced_counts(bg, k, rows.device)
             if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
                 valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
                 num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
@@ -160,8 +163,24 @@ class SpecWorker:
                                                          inp.relaxed_delta, self.relaxed_topk)
         return tokens, accepted, num_accepted, relaxed
 
+    def _forced_counts(self, bg: int, k: int, device):                       # [Bg] int64
+        if self.force_acceptance_rates is None:
+            return forced_num_accepted(self.force_acceptance_length, bg, k, self.step_counter,
+                                       device)
+        key = (self.force_acceptance_rates, str(device))
+        if key not in self._rate_tensors:    # built outside graph capture (warm-up runs first)
+            self._rate_tensors[key] = torch.tensor(self.force_acceptance_rates,
+                                                   dtype=torch.float32, device=device)
+        return forced_num_accepted_by_rates(self._rate_tensors[key], bg, k, self.step_counter)
+
+    @property
+    def forced_key(self) -> tuple:
+        """What forced acceptance a graph bakes in (the graphs are keyed by it)."""
+        return self.force_acceptance_length, self.force_acceptance_rates
+
     def _forcing(self, num_gen: int) -> bool:
-        return self.force_acceptance_length is not None and num_gen > 0
+        return num_gen > 0 and (self.force_acceptance_length is not None
+                                or self.force_acceptance_rates is not None)
 
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,

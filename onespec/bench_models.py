@@ -1,0 +1,146 @@
+"""Models, bytes and bandwidth of `onespec bench decode`: the benchmark shapes (config.json
+files for random weights), the copy bandwidth of the device, and the bytes one decode step
+must move (the floor every measured step is compared with)."""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import time
+
+import torch
+
+from onespec.bench_moe import MTP_SHAPES, is_moe, moe_step_bytes, mtp_target_config
+from onespec.speculative.mtp import MTPDrafter
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# name -> (model label, target config.json, head layer shape + draft vocabulary)
+SHAPES = {
+    "llama3-8b": ("llama3-8b-shape",
+                  dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                  dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, draft_vocab_size=32000)),
+    "tiny": ("tiny-shape",
+             dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000),
+             dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, draft_vocab_size=500)),
+}
+COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+              max_position_embeddings=131072, tie_word_embeddings=False)
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+
+
+def shape_label(shape: str) -> str:
+    return MTP_SHAPES[shape][0] if shape in MTP_SHAPES else SHAPES[shape][0]
+
+
+def target_config(shape: str) -> dict:
+    if shape in MTP_SHAPES:
+        return mtp_target_config(shape)
+    _, target, _ = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **target, **COMMON,
+            "head_dim": target["hidden_size"] // target["num_attention_heads"],
+            "bos_token_id": 1, "eos_token_id": 2}
+
+
+def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
+    """config.json files for load_format='dummy': the target and a SafeAILab-style head
+    (None for the MTP shapes: their drafter is the target's own MTP layer)."""
+    if shape in MTP_SHAPES:
+        path = os.path.join(root, "target")
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(target_config(shape), f, indent=2)
+        return path, None
+    _, target, head = SHAPES[shape]
+    head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **head,
+                "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
+                "target_hidden_size": target["hidden_size"], **COMMON}
+    dirs = []
+    for name, cfg in (("target", target_config(shape)), ("head", head_cfg)):
+        path = os.path.join(root, name)
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        dirs.append(path)
+    return dirs[0], dirs[1]
+
+
+def sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, reps: int = 10, trials: int = 5) -> float:
+    """Bytes/s of a large device-to-device copy_ (bytes read + written), best of `trials`."""
+    n = COPY_BYTES[device]
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(trials):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds / reps)
+    del src, dst
+    return 2 * n / best
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def kv_bytes_per_token(attn_layers) -> int:
+    return sum(a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token") else
+               2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size() for a in attn_layers)
+
+
+def step_bytes(model, head, batch: int, k: int, kv_tokens: float,
+               target_kv_per_token: int, head_kv_per_token: int) -> dict[str, float]:
+    """Bytes one decode step must move. Target: every weight once but the embedding table
+    (one row per input token), plus its KV of `kv_tokens` keys summed over the batch. Head
+    (K > 0): fc once, its layer, norm and lm_head once per draft pass (K passes: step 0 and
+    K-1 single-token steps), its KV per pass."""
+    embed = model.model.embed_tokens.weight
+    rows = batch * (k + 1) * embed.shape[1] * embed.element_size()
+    weights = _nbytes(p for p in model.parameters() if p is not embed)
+    if model.lm_head.weight is embed:          # tied: the table is read whole as the lm_head
+        weights += _nbytes([embed])
+    out = {"target": weights + rows, "head": 0.0, "kv": kv_tokens * target_kv_per_token}
+    if head is not None and k > 0:
+        per_pass = _nbytes(p for n, p in head.named_parameters() if not n.startswith("fc."))
+        out["head"] = _nbytes(head.fc.parameters()) + k * per_pass
+        out["kv"] += k * kv_tokens * head_kv_per_token
+    return out
+
+
+def release_memory(device: str):
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def step_floor_parts(engine, batch: int, k: int, kv_tokens: float) -> dict[str, float]:
+    """step_bytes (or moe_step_bytes) of `engine` at draft length k: {target, head, kv}."""
+    head = engine.drafter.head if engine.drafter is not None else None
+    target_kv = kv_bytes_per_token([layer.self_attn for layer in engine.model.model.layers])
+    head_kv = kv_bytes_per_token(engine.drafter.attention_layers) if head is not None else 0
+    if isinstance(engine.drafter, MTPDrafter) or is_moe(engine.model):
+        return moe_step_bytes(engine.model, engine.drafter, batch, k, kv_tokens, target_kv,
+                              head_kv)
+    return step_bytes(engine.model, head, batch, k, kv_tokens, target_kv, head_kv)

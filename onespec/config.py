@@ -231,8 +231,13 @@ class NGramConfig:
     acceptance_window: int | None = None
     acceptance_length_threshold: float | None = None
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
+    force_acceptance_rates: tuple[float, ...] | None = None   # benchmarks only
 
     def __post_init__(self):
+        if self.draft_len_schedule == AUTO_DRAFT_LEN:
+            raise ValueError(f"draft_len_schedule={AUTO_DRAFT_LEN!r} needs a model drafter "
+                             "(Eagle3Config or MTPConfig); give NGramConfig a {batch_size: K} "
+                             "dict or None")
         _check_int("max_draft_len", self.max_draft_len, 1, 32)
         _check_int("min_matching_ngram_size", self.min_matching_ngram_size, 1, 64)
         _check_int("max_matching_ngram_size", self.max_matching_ngram_size,

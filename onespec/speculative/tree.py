@@ -90,8 +90,9 @@ def tree_accept(tokens: Tensor,      # [B, N] drafted nodes (target ids)
     Returns accepted tokens (the target's tokens along the path), num_accepted (path nodes
     + 1) and the path's rows by depth. Siblings hold distinct tokens, so at most one child
     of a row matches; among equally deep matches (only with duplicate padding nodes) the
-    first row wins. tokens [7, 8, 9], parents [0, 0, 1], target [8, 5, 9, 4] -> path
-    rows [0, 2], accepted [8, 5], num_accepted 2.
+    first row wins. tokens [7, 8, 9], parents [0, 0, 2], target [8, 5, 9, 4]: the root's
+    token 8 is row 2, row 2's token 9 is row 3, row 3's token 4 has no row -> path rows
+    [0, 2, 3], accepted [8, 9, 4], num_accepted 3.
     """
     batch, n = tokens.shape
     full = torch.cat([parents.new_zeros(batch, 1), parents], 1)          # [B, N+1]

@@ -49,6 +49,9 @@ def tree_step(worker, inp, shape: TreeShape):
         accepted, num_accepted, step0 = empty, empty[:, 0], empty
     h = worker._first_pass(inp, hidden, captured, context_tokens, step0)
     h, pos, block_tables = worker._roots(inp, h, num_accepted, width)
+    if h.shape[0] == 0:            # only chunks that do not end their prompt: no drafts
+        none = torch.empty(0, shape.num_nodes, dtype=torch.int64, device=rows.device)
+        return context_tokens, accepted, num_accepted, none, none
     drafts, parents = draft_tree(worker.drafter, h, pos, block_tables, shape, inp.block_size,
                                  inp.max_kv_draft, worker.attn_backend)
     return context_tokens, accepted, num_accepted, drafts, parents

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from onespec.engine.kv_cache import slots_per_step
 from onespec.bench_moe import (MTP_SHAPES, hf_weight_bytes, is_moe, moe_step_bytes,
                                mtp_target_config)
 from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.shape import ChainShape, TreeShape
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -84,6 +84,11 @@ def parse_args(argv):
                    help="also time transformers generate on the same shape")
     p.add_argument("--hf-runs", default="static:1,dynamic:32",
                    help="transformers runs as cache:batch (cache = static | dynamic)")
+    p.add_argument("--trees", default="",
+                   help="dynamic trees DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32): rows "
+                        "at each --acceptance value up to DEPTH+1 (the forced path length)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="the engine's attention backend (trees run on torch)")
     p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each graphed step before the previous one is read (engine)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -94,6 +99,12 @@ def parse_args(argv):
     args.ks = sorted({0} | {int(k) for k in args.ks.split(",")})
     args.acceptance = [a.strip() for a in args.acceptance.split(",")]
     args.hf_runs = [(c, int(b)) for c, b in (r.split(":") for r in args.hf_runs.split(","))]
+    try:
+        args.trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
+    except ValueError:
+        p.error(f"--trees must be DEPTHxTOPKxNODES items, got {args.trees!r}")
+    if any(len(t) != 3 for t in args.trees):
+        p.error(f"--trees must be DEPTHxTOPKxNODES items, got {args.trees!r}")
     if min(args.batch_sizes) < 1 or min(args.ks) < 0 or args.gen_len < 1 \
             or args.prompt_len < 1 or args.warmup_steps < 0 or args.trials < 1:
         p.error("batch sizes, --gen-len, --prompt-len and --trials must be >= 1; "
@@ -224,21 +235,27 @@ class Measurement:
     num_steps: int
 
 
-def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int):
+def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, tree=None):
+    """tree: (depth, top-k, nodes) of a dynamic tree of depth k_max, or None (chains)."""
     from onespec import LLM, Eagle3Config, MTPConfig
     max_model_len = args.prompt_len + max_tokens + 2 * k_max + 2
     block_size = 16
-    blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
+    shape = TreeShape(*tree) if tree else ChainShape()
+    blocks_per_seq = -(-(max_model_len + shape.gen_slots(k_max)) // block_size)
     batch = max(args.batch_sizes)
     spec = None
     if k_max and head_dir is None:
         spec = MTPConfig(num_nextn_predict_layers=k_max, force_acceptance_length=1.0)
     elif k_max:
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0)
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, force_acceptance_length=1.0,
+                            use_dynamic_tree=tree is not None,
+                            dynamic_tree_max_topK=tree[1] if tree else 4,
+                            max_total_draft_tokens=tree[2] if tree else None)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
-               max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
-               num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
+               max_num_tokens=max(MIN_STEP_TOKENS, batch * shape.verify_rows(k_max)),
+               block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
+               attention_backend=getattr(args, "attention_backend", "auto"),
                overlap_scheduler=getattr(args, "overlap_scheduler", True))
 
 
@@ -325,6 +342,9 @@ def onespec_row(llm, batch, k, acceptance, m: Measurement, bandwidth: float) -> 
            "baseline": "onespec-plain", "engine": "onespec",
            "overlap_scheduler": eng.config.overlap_scheduler,
            "context_len": m.kv_tokens / batch}
+    if eng.tree is not None:            # a tree's K is its depth; it verifies `nodes` drafts
+        row.update(tree=f"{eng.tree.depth}x{eng.tree.top_k}x{eng.tree.num_nodes}",
+                   nodes=eng.tree.num_nodes)
     return row, {name: 1e3 * b / bandwidth for name, b in parts.items()}
 
 
@@ -429,14 +449,17 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
     spec = spec_configs(args.ks, args.acceptance)
     with tempfile.TemporaryDirectory(prefix="onespec-bench-") as root:
         target_dir, head_dir = write_model_dirs(args.shape, root)
-        phases = [(0, [(b, 0, 1.0) for b in args.batch_sizes])]
+        phases = [(0, [(b, 0, 1.0) for b in args.batch_sizes], None)]
         if spec:
             phases.append((max(k for k, _ in spec),
-                           [(b, k, a) for b in args.batch_sizes for k, a in spec]))
-        for k_max, configs in phases:
+                           [(b, k, a) for b in args.batch_sizes for k, a in spec], None))
+        for tree in args.trees if head_dir else []:     # one engine per tree shape
+            phases.append((tree[0], [(b, k, a) for b in args.batch_sizes
+                                     for k, a in spec_configs([tree[0]], args.acceptance)], tree))
+        for k_max, configs, tree in phases:
             budget = max(request_budget(args, k, a) for _, k, a in configs)
             try:
-                llm = build_llm(target_dir, head_dir, k_max, args, budget)
+                llm = build_llm(target_dir, head_dir, k_max, args, budget, tree)
             except Exception as e:                  # noqa: BLE001 - reported, not fatal
                 emit({"engine": "onespec", "k": k_max, "error": repr(e)})
                 continue

@@ -1,7 +1,10 @@
-"""Acceptance of the demo pair on held-out stdlib files, K = 1..7, next to transformers'
-prompt-lookup decoding on the same model and prompts. Prints one JSON line per setting.
+"""Acceptance of the demo pair on held-out stdlib files, K = 1..7 and dynamic trees, next
+to transformers' prompt-lookup decoding on the same model and prompts. Prints one JSON line
+per setting.
 
     python scripts/eval_acceptance.py --data data/stdlib/heldout.jsonl.gz [--device cuda]
+    python scripts/eval_acceptance.py --ks 5 --trees 6x4x8,6x4x16,6x4x32,6x4x64 \
+        --no-prompt-lookup          # trees: depth x top-k x nodes
 """
 from __future__ import annotations
 
@@ -76,6 +79,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
+    ap.add_argument("--trees", default="",
+                    help="dynamic trees as DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32)")
+    ap.add_argument("--no-prompt-lookup", action="store_true",
+                    help="skip transformers' prompt-lookup baseline")
     args = ap.parse_args()
     dtype = "float32"
     plain = LLM(TARGET_DIR, device=args.device, dtype=dtype)
@@ -85,20 +92,30 @@ def main():
     device = str(plain.engine.device)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.gen_len} new",
           file=sys.stderr)
-    for k in [int(x) for x in args.ks.split(",")]:
-        llm = LLM(TARGET_DIR, device=args.device, dtype=dtype,
-                  speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=k))
+    settings = [({"k": int(k)}, Eagle3Config(HEAD_DIR, max_draft_len=int(k)))
+                for k in args.ks.split(",") if k]
+    for tree in filter(None, args.trees.split(",")):
+        depth, top_k, nodes = (int(x) for x in tree.split("x"))
+        settings.append(({"depth": depth, "top_k": top_k, "nodes": nodes}, Eagle3Config(
+            HEAD_DIR, max_draft_len=depth, use_dynamic_tree=True, dynamic_tree_max_topK=top_k,
+            max_total_draft_tokens=nodes)))
+    for label, spec in settings:
+        llm = LLM(TARGET_DIR, device=args.device, dtype=dtype, speculative_config=spec)
+        start = time.perf_counter()
         outs = llm.generate(prompts, sp)
         st = llm.stats()
-        print(json.dumps({"method": "onespec-eagle3", "k": k, "device": device,
+        print(json.dumps({"method": "onespec-eagle3" + ("-tree" if "nodes" in label else ""),
+                          **label, "device": device,
                           "acceptance_length": round(st["acceptance_length"], 3),
                           "acceptance_rate_per_position":
                               [round(r, 3) for r in st["acceptance_rate_per_position"]],
+                          "accepted_path_length_counts": st["accepted_path_length_counts"],
+                          "seconds": round(time.perf_counter() - start, 1),
                           "identical_to_plain": [o.outputs[0].token_ids for o in outs] == ref}),
               flush=True)
     if plain.engine.device.type == "cuda":
         print(json.dumps(bf16_agreement(prompts, sp, k=4)), flush=True)
-    for n in (3, 10):
+    for n in () if args.no_prompt_lookup else (3, 10):
         print(json.dumps({**prompt_lookup(prompts, args.gen_len, plain.engine.device, n),
                           "device": device}), flush=True)
 

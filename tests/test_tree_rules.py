@@ -136,17 +136,18 @@ def test_tree_accept_matches_walk_from_root():
     assert len(lengths) >= 3                               # the cases reach several depths
 
 
-def test_forced_path_follows_first_children():
-    parents = torch.tensor([[0, 0, 2, 2, 3], [0, 0, 2, 2, 3]])   # first children: 1; 3 -> 5
+def test_forced_path_reaches_the_forced_depth():
+    parents = torch.tensor([[0, 0, 2, 2, 3], [0, 0, 2, 2, 3]])   # rows 3, 4 under 2; 5 under 3
     anc = ancestor_matrix(parents, 3)
     target = torch.arange(12).view(2, 6)
-    accepted, n, path = forced_tree_accept(parents, anc, target, 3, torch.tensor([4, 1]))
-    assert n.tolist() == [2, 1]                   # the first child of the root is a leaf
-    assert path[0, :2].tolist() == [0, 1] and accepted[0, :2].tolist() == [0, 1]
-    parents = torch.tensor([[0, 1, 2, 0]])        # a chain of 3 and a leaf
-    accepted, n, path = forced_tree_accept(parents, ancestor_matrix(parents, 3),
-                                           torch.tensor([[5, 6, 7, 8, 9]]), 3, torch.tensor([3]))
-    assert n.tolist() == [3] and path[0].tolist()[:3] == [0, 1, 2]
+    accepted, n, path = forced_tree_accept(anc, target, 3, torch.tensor([4, 1]))
+    assert n.tolist() == [4, 1]
+    assert path[0].tolist() == [0, 2, 3, 5] and accepted[0].tolist() == [0, 2, 3, 5]
+    assert path[1, 0] == 0 and accepted[1, 0] == 6
+    parents = torch.tensor([[0, 0, 2, 0]])        # depth 2 at most: a forced 4 stops there
+    accepted, n, path = forced_tree_accept(ancestor_matrix(parents, 3),
+                                           torch.tensor([[5, 6, 7, 8, 9]]), 3, torch.tensor([4]))
+    assert n.tolist() == [3] and path[0].tolist()[:3] == [0, 2, 3]
 
 
 def test_compact_rows_moves_accepted_path():

@@ -107,22 +107,16 @@ def tree_accept(tokens: Tensor,      # [B, N] drafted nodes (target ids)
     return target.gather(1, path), depths.gather(1, last[:, None])[:, 0] + 1, path
 
 
-def forced_tree_accept(parents: Tensor, ancestors: Tensor, target: Tensor, depth: int,
+def forced_tree_accept(ancestors: Tensor, target: Tensor, depth: int,
                        num_forced: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Forced acceptance (benchmarks): the path of first children from the root, cut at
-    num_forced [B] tokens (or where the tree ends); emitted: the target's tokens on it."""
-    batch, n = parents.shape
-    first = parents.new_full((batch, n + 1), n + 1)
-    first.scatter_reduce_(1, parents, torch.arange(1, n + 1, device=parents.device)
-                          .expand(batch, n), "amin")          # [B, N+1] N+1: no child
-    length = ancestors.sum(-1)                                           # [B, N+1] depth + 1
-    cur = parents.new_zeros(batch)
-    for _ in range(depth):
-        nxt = first.gather(1, cur[:, None])[:, 0]
-        grow = (nxt <= n) & (length.gather(1, cur[:, None])[:, 0] < num_forced)
-        cur = torch.where(grow, nxt, cur)
-    path = _path_to(cur, ancestors, length - 1, depth)
-    return target.gather(1, path), length.gather(1, cur[:, None])[:, 0], path
+    """Forced acceptance (benchmarks): the path to the first row at depth num_forced - 1
+    (or at the tree's greatest depth, if it is shallower); emitted: the target's tokens on
+    it. num_forced [B] in [1, D+1]."""
+    depths = ancestors.sum(-1) - 1                                       # [B, N+1]
+    want = torch.minimum(num_forced - 1, depths.amax(-1))                # [B]
+    last = (depths == want[:, None]).int().argmax(-1)                    # first such row
+    path = _path_to(last, ancestors, depths, depth)
+    return target.gather(1, path), want + 1, path
 
 
 def mask_tree_block(meta: AttentionMetadata, req_index: Tensor, base: Tensor,

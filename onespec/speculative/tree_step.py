@@ -63,5 +63,5 @@ def _accept(worker, inp, shape: TreeShape, target: Tensor):
     tree = inp.tree
     if worker._forcing(inp.num_gen):
         forced = worker._forced_num_accepted(inp.num_gen, shape.depth, target.device)
-        return forced_tree_accept(tree.parents, tree.ancestors, target, shape.depth, forced)
+        return forced_tree_accept(tree.ancestors, target, shape.depth, forced)
     return tree_accept(inp.draft_tokens, tree.parents, tree.ancestors, target, shape.depth)

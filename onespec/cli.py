@@ -73,6 +73,11 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory: speculative decoding")
     p.add_argument("--k", type=int, default=None,
                    help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
+    p.add_argument("--tree-topk", type=int, default=None, metavar="TOPK",
+                   help="with --draft: draft a dynamic tree of depth --k, expanding the TOPK "
+                        "best nodes per depth (docs/DECODING.md, 'Dynamic trees')")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="with --tree-topk: tree nodes verified per step (default TOPK x depth)")
     p.add_argument("--mtp", type=int, default=None, metavar="K",
                    help="draft K tokens with the target's own MTP layer (MTP-Eagle)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -88,7 +93,12 @@ def _add_engine_args(p: argparse.ArgumentParser):
 
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
-    --draft and --mtp are two drafters, one at a time."""
+    --draft and --mtp are two drafters, one at a time; tree options need --draft."""
+    if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
+        parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
+                     "--draft")
+    if args.tree_nodes is not None and args.tree_topk is None:
+        parser.error("--tree-nodes needs --tree-topk (which turns the tree on)")
     if args.mtp is not None:
         if args.draft is not None:
             parser.error("--draft and --mtp are two drafters: pass one of them")
@@ -131,7 +141,9 @@ def build_llm(args):
     from onespec import LLM, Eagle3Config, MTPConfig
     model = resolve_model_dir(args.model, "--model")
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K) if draft else \
+    tree = dict(use_dynamic_tree=True, dynamic_tree_max_topK=args.tree_topk,
+                max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **tree) if draft else \
         MTPConfig(num_nextn_predict_layers=args.mtp) if args.mtp else None
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,

@@ -289,3 +289,20 @@ def test_tree_on_cuda_float32_equals_plain(pair):
     llm = tree_llm(target, head, depth=6, top_k=4, nodes=32, device="cuda")
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
     assert_pool_full(llm)
+
+
+def test_cli_generate_with_a_tree(pair, capsys):
+    from onespec.cli import main
+    target, _, head, plain = pair
+    code = main(["generate", "--model", target, "--draft", head, "--k", "3", "--tree-topk", "2",
+                 "--tree-nodes", "6", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
+                 "--max-tokens", "20", "--ignore-eos", "--device", "cpu", "--dtype", "float32"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert [int(t) for t in out.out.split()] == plain[1]
+    assert "drafts accepted" in out.err
+    for argv, message in [(["--tree-topk", "2"], "need --draft"),
+                          (["--draft", head, "--tree-nodes", "6"], "needs --tree-topk")]:
+        with pytest.raises(SystemExit):
+            main(["generate", "--model", target, "--prompt-ids", "1", *argv])
+        assert message in capsys.readouterr().err

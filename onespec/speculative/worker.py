@@ -123,8 +123,10 @@ class SpecWorker:
                 accepted, num_accepted = strict_accept(inp.draft_tokens, accepted)
         if self._forcing(bg):
             num_accepted = self._forced_num_accepted(bg, k, rows.device)
-            if inp.grammar is not None and k:   # emit the (grammar-valid) drafts, then the
-                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)  # target's
+            if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
+                valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
+                num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
+                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)
         return tokens, accepted, num_accepted
 
     def _forced_num_accepted(self, bg: int, k: int, device):

@@ -143,6 +143,24 @@ def test_tree_shapes_lossless(pair, depth, top_k, nodes):
     assert_pool_full(llm)
 
 
+def test_tree_steps_between_plain_steps(pair):
+    """K alternates between the tree's depth and 0 (a schedule or the gate): a tree step
+    after a plain one verifies padding, and the output stays plain decoding's."""
+    target, _, head, plain = pair
+    llm = tree_llm(target, head)
+    cycle = [3, 3, 0, 3, 0, 0]
+    seen = []
+
+    def draft_len(batch_size):
+        seen.append(cycle[len(seen) % len(cycle)])
+        return seen[-1]
+
+    llm.engine.draft_len_fn = draft_len
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert len(seen) > len(cycle)
+    assert_pool_full(llm)
+
+
 def test_top1_tree_is_a_chain_step_for_step(pair):
     """A tree of top-k 1 and depth K drafts, verifies and accepts exactly as a K-chain."""
     target, _, head, plain = pair
@@ -291,16 +309,18 @@ def test_tree_on_cuda_float32_equals_plain(pair):
     assert_pool_full(llm)
 
 
-def test_cli_generate_with_a_tree(pair, capsys):
-    from onespec.cli import main
+def test_cli_tree_options(pair, capsys):
+    from onespec.cli import build_llm, check_engine_args, generate_parser, main
+    from onespec.speculative.shape import TreeShape
     target, _, head, plain = pair
-    code = main(["generate", "--model", target, "--draft", head, "--k", "3", "--tree-topk", "2",
-                 "--tree-nodes", "6", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
-                 "--max-tokens", "20", "--ignore-eos", "--device", "cpu", "--dtype", "float32"])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    assert [int(t) for t in out.out.split()] == plain[1]
-    assert "drafts accepted" in out.err
+    parser = generate_parser()
+    args = parser.parse_args(["--model", target, "--draft", head, "--k", "3", "--tree-topk", "2",
+                              "--tree-nodes", "6", "--prompt-ids", "1", "--device", "cpu",
+                              "--dtype", "float32"])
+    check_engine_args(parser, args)
+    llm = build_llm(args)
+    assert llm.engine.tree == TreeShape(3, 2, 6)
+    assert token_ids(llm.generate([PROMPTS[1]], GREEDY)) == [plain[1]]
     for argv, message in [(["--tree-topk", "2"], "need --draft"),
                           (["--draft", head, "--tree-nodes", "6"], "needs --tree-topk")]:
         with pytest.raises(SystemExit):

@@ -140,7 +140,8 @@ class Eagle3Config:
                                  f"got {self.layers_to_capture!r}")
         _check_drafting_options(self)
         if not isinstance(self.use_dynamic_tree, bool):
-            raise ValueError(f"use_dynamic_tree must be True or False, got {self.use_dynamic_tree!r}")
+            raise ValueError("use_dynamic_tree must be True or False, "
+                             f"got {self.use_dynamic_tree!r}")
         if self.use_dynamic_tree:
             _check_tree_options(self)
         if self.draft_dtype not in DTYPES:

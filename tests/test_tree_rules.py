@@ -123,7 +123,8 @@ def test_tree_accept_matches_walk_from_root():
     trees = [random_tree(rng, n, depth, vocab) for _ in range(200)]
     tokens = torch.tensor([t for t, _ in trees])
     parents = torch.tensor([p for _, p in trees])
-    target = torch.randint(0, vocab, (len(trees), n + 1), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, vocab, (len(trees), n + 1),
+                           generator=torch.Generator().manual_seed(1))
     accepted, num, path = tree_accept(tokens, parents, ancestor_matrix(parents, depth),
                                       target, depth)
     lengths = set()

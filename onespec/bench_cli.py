@@ -35,8 +35,8 @@ from onespec.bench_models import (SHAPES, copy_bandwidth, release_memory, shape_
                                   step_floor_parts, sync, write_model_dirs)
 from onespec.bench_moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
-from onespec.engine.kv_cache import slots_per_step
 from onespec.speculative.cost_model import expected_tokens
+from onespec.speculative.shape import ChainShape, TreeShape
 
 MAX_ACCEPTANCE = "max"           # --acceptance item meaning K + 1 (every draft accepted)
 MIN_STEP_TOKENS = 2048         # engine max_num_tokens (prefill chunk budget) at least
@@ -77,6 +77,11 @@ def parse_args(argv):
                    help="also time transformers generate on the same shape")
     p.add_argument("--hf-runs", default="static:1,dynamic:32",
                    help="transformers runs as cache:batch (cache = static | dynamic)")
+    p.add_argument("--trees", default="",
+                   help="dynamic trees DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32): rows "
+                        "at each --acceptance value up to DEPTH+1 (the forced path length)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="the engine's attention backend (trees run on torch)")
     p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each graphed step before the previous one is read (engine)")
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
@@ -97,6 +102,12 @@ def parse_args(argv):
         p.error(f"--batch-sizes, --ks (integers or 'auto') and --acceptance-rates: {e}")
     args.acceptance = [a.strip() for a in args.acceptance.split(",")]
     args.hf_runs = [(c, int(b)) for c, b in (r.split(":") for r in args.hf_runs.split(","))]
+    try:
+        args.trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
+    except ValueError:
+        p.error(f"--trees must be DEPTHxTOPKxNODES items, got {args.trees!r}")
+    if any(len(t) != 3 for t in args.trees):
+        p.error(f"--trees must be DEPTHxTOPKxNODES items, got {args.trees!r}")
     if min(args.batch_sizes) < 1 or min(args.ks) < 0 or args.gen_len < 1 \
             or args.prompt_len < 1 or args.warmup_steps < 0 or args.trials < 1:
         p.error("batch sizes, --gen-len, --prompt-len and --trials must be >= 1; "
@@ -171,13 +182,16 @@ class Measurement:
     k_histogram: dict[int, int] = field(default_factory=dict)   # timed steps at each K
 
 
-def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: bool = False):
+def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: bool = False,
+              tree=None):
+    """tree: (depth, top-k, nodes) of a dynamic tree of depth k_max, or None (chains)."""
     from onespec import LLM, Eagle3Config, MTPConfig
     max_model_len = args.prompt_len + max_tokens + 2 * k_max + 2
     block_size = 16
-    blocks_per_seq = -(-(max_model_len + slots_per_step(k_max)) // block_size)
+    shape = TreeShape(*tree) if tree else ChainShape()
+    blocks_per_seq = -(-(max_model_len + shape.gen_slots(k_max)) // block_size)
     batch = max(args.batch_sizes)
-    rates = getattr(args, "acceptance_rates", None)
+    rates = None if tree else getattr(args, "acceptance_rates", None)
     forced = dict(force_acceptance_length=None if rates else 1.0, force_acceptance_rates=rates,
                   draft_len_schedule=AUTO_DRAFT_LEN if auto else None)
     spec = None
@@ -186,11 +200,14 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     if k_max and head_dir is None:
         spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa)
     elif k_max:
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa)
+        trees = dict(use_dynamic_tree=True, dynamic_tree_max_topK=tree[1],
+                     max_total_draft_tokens=tree[2]) if tree else {}
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
-               max_num_tokens=max(MIN_STEP_TOKENS, batch * (k_max + 1)), block_size=block_size,
-               num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
+               max_num_tokens=max(MIN_STEP_TOKENS, batch * shape.verify_rows(k_max)),
+               block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
+               attention_backend=getattr(args, "attention_backend", "auto"),
                overlap_scheduler=getattr(args, "overlap_scheduler", True))
 
 
@@ -294,6 +311,9 @@ def onespec_row(llm, batch, draft: Draft, m: Measurement, bandwidth: float
     if draft.k == AUTO_DRAFT_LEN:
         row["k_histogram"] = {str(k): n for k, n in sorted(m.k_histogram.items())}
         row["mean_k"] = mean_k
+    if eng.tree is not None:            # a tree's K is its depth; it verifies `nodes` drafts
+        row.update(tree=f"{eng.tree.depth}x{eng.tree.top_k}x{eng.tree.num_nodes}",
+                   nodes=eng.tree.num_nodes)
     return row, {name: 1e3 * b / bandwidth for name, b in parts.items()}
 
 
@@ -358,15 +378,19 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
         target_dir, head_dir = write_model_dirs(args.shape, root)
         def per_batch(drafts):
             return [(b, d) for b in args.batch_sizes for d in drafts]
-        phases = [(0, False, per_batch([Draft(0, 1.0)]))]
+        phases = [(0, False, per_batch([Draft(0, 1.0)]), None)]
         if fixed:
-            phases.append((max(d.k for d in fixed), False, per_batch(fixed)))
+            phases.append((max(d.k for d in fixed), False, per_batch(fixed), None))
         if auto:
-            phases.append((auto_max_draft_len(args.ks), True, per_batch(auto)))
-        for k_max, is_auto, configs in phases:
+            phases.append((auto_max_draft_len(args.ks), True, per_batch(auto), None))
+        for tree in args.trees if head_dir else []:     # one engine per tree shape
+            phases.append((tree[0], False, per_batch(
+                [Draft(k, a) for k, a in spec_configs([tree[0]], args.acceptance)]), tree))
+        for k_max, is_auto, configs, tree in phases:
             budget = max(request_budget(args, k_max, d.tokens_per_step) for _, d in configs)
             try:
-                llm = build_llm(target_dir, head_dir, k_max, args, budget, auto=is_auto)
+                llm = build_llm(target_dir, head_dir, k_max, args, budget, auto=is_auto,
+                                tree=tree)
             except Exception as e:                  # noqa: BLE001 - reported, not fatal
                 emit({"engine": "onespec", "k": AUTO_DRAFT_LEN if is_auto else k_max,
                       "error": repr(e)})

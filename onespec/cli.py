@@ -73,6 +73,11 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory: speculative decoding")
     p.add_argument("--k", type=int, default=None,
                    help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
+    p.add_argument("--tree-topk", type=int, default=None, metavar="TOPK",
+                   help="with --draft: draft a dynamic tree of depth --k, expanding the TOPK "
+                        "best nodes per depth (docs/DECODING.md, 'Dynamic trees')")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="with --tree-topk: tree nodes verified per step (default TOPK x depth)")
     p.add_argument("--mtp", type=int, default=None, metavar="K",
                    help="draft K tokens with the target's own MTP layer (MTP-Eagle)")
     p.add_argument("--ngram", type=int, default=None, metavar="K",
@@ -96,8 +101,15 @@ def _add_engine_args(p: argparse.ArgumentParser):
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
     --draft, --mtp and --ngram are three drafters, one at a time; --sa-enhancer goes on a
-    model drafter."""
+    model drafter; tree options need --draft."""
     check_host_draft_args(parser, args)
+    if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
+        parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
+                     "--draft")
+    if args.tree_nodes is not None and args.tree_topk is None:
+        parser.error("--tree-nodes needs --tree-topk (which turns the tree on)")
+    if args.tree_topk is not None and args.sa_enhancer is not None:
+        parser.error("--sa-enhancer replaces chain drafts: it does not go with --tree-topk")
     if args.mtp is not None:
         if args.draft is not None:
             parser.error("--draft and --mtp are two drafters: pass one of them")
@@ -158,7 +170,9 @@ def build_llm(args):
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
     sa = dict(use_sa_enhancer=True, sa_min_match_len=args.sa_enhancer) \
         if args.sa_enhancer else {}
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa) if draft else \
+    tree = dict(use_dynamic_tree=True, dynamic_tree_max_topK=args.tree_topk,
+                max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree) if draft else \
         MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
         NGramConfig(max_draft_len=args.ngram) if args.ngram else None
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,

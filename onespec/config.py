@@ -125,6 +125,33 @@ def _check_sa_options(cfg):
     _check_int("sa_min_match_len", cfg.sa_min_match_len, 1)
 
 
+def _check_tree_options(cfg):
+    """Validates a dynamic tree's shape and the options a tree cannot combine with."""
+    _check_int("max_draft_len (the tree's depth)", cfg.max_draft_len, 1, 32)
+    _check_int("dynamic_tree_max_topK", cfg.dynamic_tree_max_topK, 1, 16)
+    top_k, depth = cfg.dynamic_tree_max_topK, cfg.max_draft_len
+    most = top_k + (depth - 1) * top_k * top_k     # every node the expansion scores
+    if cfg.max_total_draft_tokens is None:
+        cfg.max_total_draft_tokens = top_k * depth
+    _check_int("max_total_draft_tokens", cfg.max_total_draft_tokens, depth, most)
+    if cfg.use_rejection_sampling:
+        raise ValueError("use_dynamic_tree cannot be combined with use_rejection_sampling "
+                         "(sampled requests use exact-match acceptance on the tree)")
+    if cfg.draft_len_schedule == AUTO_DRAFT_LEN:
+        raise ValueError(f"use_dynamic_tree cannot be combined with draft_len_schedule="
+                         f"{AUTO_DRAFT_LEN!r} (the cost model times chains of K drafts)")
+    if cfg.force_acceptance_rates is not None:
+        raise ValueError("use_dynamic_tree cannot be combined with force_acceptance_rates "
+                         "(use force_acceptance_length)")
+    if cfg.use_sa_enhancer:
+        raise ValueError("use_dynamic_tree cannot be combined with use_sa_enhancer "
+                         "(the suffix automaton replaces chain drafts)")
+    schedule = cfg.draft_len_schedule or {}
+    if any(k not in (0, depth) for k in schedule.values()):
+        raise ValueError("with use_dynamic_tree, draft_len_schedule values must be 0 or "
+                         f"max_draft_len = {depth} (a step drafts the whole tree or nothing)")
+
+
 @dataclass
 class Eagle3Config:
     """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
@@ -144,6 +171,10 @@ class Eagle3Config:
     # head's when the current suffix occurred before with at least sa_min_match_len tokens
     use_sa_enhancer: bool = False
     sa_min_match_len: int = 4
+    # dynamic tree (docs/DECODING.md, "dynamic trees"): max_draft_len is the tree's depth
+    use_dynamic_tree: bool = False
+    dynamic_tree_max_topK: int = 4                     # frontier width and children per node
+    max_total_draft_tokens: int | None = None          # nodes verified; None = topK * depth
 
     def __post_init__(self):
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -156,9 +187,14 @@ class Eagle3Config:
                 raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
                                  f"got {self.layers_to_capture!r}")
         _check_drafting_options(self)
+        if not isinstance(self.use_dynamic_tree, bool):
+            raise ValueError("use_dynamic_tree must be True or False, "
+                             f"got {self.use_dynamic_tree!r}")
+        _check_sa_options(self)
+        if self.use_dynamic_tree:
+            _check_tree_options(self)
         if self.draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
-        _check_sa_options(self)
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""Acceptance of the demo pair on held-out stdlib files, K = 1..7, next to transformers'
-prompt-lookup decoding on the same model and prompts. Prints one JSON line per setting.
+"""Acceptance of the demo pair on held-out stdlib files, K = 1..7 and dynamic trees, next
+to transformers' prompt-lookup decoding on the same model and prompts. Prints one JSON line
+per setting.
 
     python scripts/eval_acceptance.py --data data/stdlib/heldout.jsonl.gz [--device cuda]
+    python scripts/eval_acceptance.py --ks 5 --trees 6x4x8,6x4x16,6x4x32,6x4x64 \
+        --no-hf          # trees: depth x top-k x nodes
 
 --sa-min-match 4 adds EAGLE-3 with the suffix-automaton enhancer (that minimum match
 length; a comma-separated list runs each) for every K; --ngram 5 adds onespec's n-gram
@@ -82,6 +85,7 @@ def run_onespec(name: str, spec, prompts, sp, ref, device: str, baseline=None,
     each prompt's acceptance length. baseline: those of another run, to count the prompts
     whose acceptance this one lowers."""
     llm = LLM(TARGET_DIR, device=device, dtype="float32", speculative_config=spec)
+    start = time.perf_counter()
     outs = llm.generate(prompts, sp)
     st = llm.stats()
     per_prompt = [o.metrics.acceptance_length for o in outs]
@@ -89,6 +93,8 @@ def run_onespec(name: str, spec, prompts, sp, ref, device: str, baseline=None,
             "acceptance_length": round(st["acceptance_length"], 3),
             "acceptance_rate_per_position":
                 [round(r, 3) for r in st["acceptance_rate_per_position"]],
+            "accepted_path_length_counts": st["accepted_path_length_counts"],
+            "seconds": round(time.perf_counter() - start, 1),
             "identical_to_plain": [o.outputs[0].token_ids for o in outs] == ref}
     if st["num_sa_draft_tokens"]:
         line["sa_drafts"] = st["num_sa_draft_tokens"]
@@ -113,7 +119,10 @@ def main():
                     help="also run the suffix-automaton enhancer with these minimum matches")
     ap.add_argument("--ngram", type=int_list, default=[],
                     help="also run the n-gram drafter with these draft lengths")
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
+    ap.add_argument("--trees", default="",
+                    help="dynamic trees as DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32)")
+    ap.add_argument("--no-hf", "--no-prompt-lookup", dest="no_hf", action="store_true",
+                    help="skip transformers' prompt lookup")
     args = ap.parse_args()
     dtype = "float32"
     plain = LLM(TARGET_DIR, device=args.device, dtype=dtype)
@@ -134,6 +143,12 @@ def main():
     for k in args.ngram:
         run_onespec("onespec-ngram", NGramConfig(max_draft_len=k), prompts, sp, ref,
                     args.device, k=k)
+    for tree in filter(None, args.trees.split(",")):
+        depth, top_k, nodes = (int(x) for x in tree.split("x"))
+        spec = Eagle3Config(HEAD_DIR, max_draft_len=depth, use_dynamic_tree=True,
+                            dynamic_tree_max_topK=top_k, max_total_draft_tokens=nodes)
+        run_onespec("onespec-eagle3-tree", spec, prompts, sp, ref, args.device, depth=depth,
+                    top_k=top_k, nodes=nodes)
     if plain.engine.device.type == "cuda":
         print(json.dumps(bf16_agreement(prompts, sp, k=4)), flush=True)
     for n in () if args.no_hf else (3, 10):

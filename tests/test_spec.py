@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import (TEST_DEVICE, assert_drafts_match_reference, assert_pool_full,
                       make_eagle3_head, make_hf_model)
+from draft_reference import HeadReference
 from onespec import LLM, Eagle3Config, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
@@ -95,52 +95,9 @@ def test_formats_give_identical_drafts_and_metrics(pair):
 
 def reference_drafts(hf, head, capture, tokens: list[int], k: int):
     """Drafts for a request whose committed tokens are `tokens`, recomputed without any
-    cache from transformers' hidden states (docs/DECODING.md, "draft loop"). Also returns
-    each step's top-2 logit margin, so near-ties (float noise decides them) can be told
-    apart from bugs."""
-    n = len(tokens)
-    with torch.no_grad():
-        hs = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i + 1][0] for i in capture], -1)             # [n-1, 3H]
-        layer = head.layers[0]
-        attn = layer.self_attn
-        embed = hf.model.embed_tokens
-        hidden = head.fc(feats)                                             # step 0 rows
-        ids = torch.tensor(tokens[1:])
-        positions = torch.arange(n - 1)
-        keys, values = [], []
-
-        def run(ids, hidden, positions, causal_base):
-            normed = layer.hidden_norm(hidden)
-            a = torch.cat([layer.input_layernorm(embed(ids)), normed], -1)
-            q, kk, v = attn.qkv_proj(a).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
-            q = q.view(-1, attn.num_heads, attn.head_dim)
-            kk = kk.view(-1, attn.num_kv_heads, attn.head_dim)
-            v = v.view(-1, attn.num_kv_heads, attn.head_dim)
-            q, kk = head.rotary(positions, q, kk)
-            keys.append(kk)
-            values.append(v)
-            K, V = torch.cat(keys), torch.cat(values)
-            rep = attn.num_heads // attn.num_kv_heads
-            K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-            mask = torch.arange(len(K))[None, :] <= causal_base[:, None]
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1),
-                                                 V.transpose(0, 1), attn_mask=mask)
-            h = hidden + attn.o_proj(out.transpose(0, 1).reshape(len(ids), -1))
-            return h + layer.mlp(layer.post_attention_layernorm(h))
-
-        out = run(ids, hidden, positions, positions)
-        h = out[-1:]
-        drafts, margins = [], []
-        for step in range(k):
-            if step:
-                pos = torch.tensor([n - 2 + step])
-                h = run(torch.tensor([drafts[-1]]), h, pos, torch.tensor([n - 2 + step]))
-            logits = head.compute_logits(h)[0]
-            top2 = logits.topk(2).values
-            margins.append(float(top2[0] - top2[1]))
-            drafts.append(int(head.to_target_ids(logits.argmax())))
-        return drafts, margins
+    cache from transformers' hidden states, with each step's top-2 logit margin (so
+    near-ties, which float noise decides, can be told apart from bugs)."""
+    return HeadReference(hf, head, capture, tokens).chain(k)
 
 
 @pytest.mark.parametrize("k", [1, 3])

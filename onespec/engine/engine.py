@@ -10,8 +10,7 @@ import torch
 from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
-                                     slots_per_step)
+from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.prefix_cache import PrefixCache
 from onespec.engine.request import Request, RequestStatus
@@ -31,6 +30,7 @@ from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.host_drafts import make_host_drafter, record_sa_outcome
 from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.thinking import ThinkingPhase
 from onespec.speculative.worker import SpecWorker
 from onespec.structured.backend import GrammarBackend
@@ -49,6 +49,13 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
     return ScheduledBatch(ctx, gen[:m], k), ScheduledBatch([], gen[m:], k)
 
 
+def _tree_shape(sc) -> TreeShape | None:
+    """The dynamic tree an EAGLE-3 config asks for, or None (chains)."""
+    if not isinstance(sc, Eagle3Config) or not sc.use_dynamic_tree:
+        return None
+    return TreeShape(sc.max_draft_len, sc.dynamic_tree_max_topK, sc.max_total_draft_tokens)
+
+
 class Engine:
     def __init__(self, config: EngineConfig,
                  speculative_config: Eagle3Config | MTPConfig | NGramConfig | None = None):
@@ -56,6 +63,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         dummy = config.load_format == "dummy"
+        self.tree = _tree_shape(speculative_config)
         backend = self._attention_backend()
         # the kernels' settings, fixed here for the engine's life: the backend every layer
         # is built with
@@ -77,9 +85,14 @@ class Engine:
         self.host_drafter = make_host_drafter(speculative_config)
         self.max_draft_len = speculative_config.max_draft_len if speculative_config else 0
         k = self.max_draft_len
-        if config.max_num_tokens < k + 1:
-            raise ValueError(f"max_num_tokens must be >= max_draft_len + 1 = {k + 1}, "
+        self.shape = self.tree or ChainShape(drafter is not None)
+        rows = self.shape.verify_rows(k)
+        if config.max_num_tokens < rows:
+            raise ValueError(f"max_num_tokens must be >= the rows of one verify = {rows} "
+                             f"(max_draft_len + 1, or max_total_draft_tokens + 1 for a tree), "
                              f"got {config.max_num_tokens}")
+        if self.tree is not None:
+            self._check_tree(drafter, mcfg)
         max_positions = self.max_model_len + 2 * k + 2
         self.model.setup_rotary(max_positions, self.device)
         attn_layers = [layer.self_attn for layer in self.model.model.layers]
@@ -92,7 +105,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size,
                               self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
-                                   self.max_model_len, drafter is not None, mcfg.eos_token_ids)
+                                   self.max_model_len, drafter is not None, mcfg.eos_token_ids,
+                                   self.shape)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sc = speculative_config
         relaxed = isinstance(sc, MTPConfig) and sc.use_relaxed_acceptance_for_thinking
@@ -103,7 +117,8 @@ class Engine:
                             force_acceptance_length=sc.force_acceptance_length if sc else None,
                             generator=self.generator, attn_backend=backend,
                             relaxed_topk=sc.relaxed_topk if relaxed else None,
-                            force_acceptance_rates=sc.force_acceptance_rates if sc else None)
+                            force_acceptance_rates=sc.force_acceptance_rates if sc else None,
+                            tree=self.tree)
         graphs = None
         if config.cuda_graphs and self.kernel_settings.triton:
             graphs = CudaGraphRunner(worker, config.block_size,
@@ -167,7 +182,7 @@ class Engine:
     def _num_kv_blocks(self, attn_layers, k: int) -> int:
         cfg = self.config
         per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
-        blocks_per_seq = -(-(self.max_model_len + slots_per_step(k)) // cfg.block_size)
+        blocks_per_seq = -(-(self.max_model_len + self.shape.gen_slots(k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
         else:      # a fraction of free memory, but never more than the batch can use
@@ -188,6 +203,11 @@ class Engine:
         backend = self.config.attention_backend
         target_cls = target_class(read_config(self.config.model))
         portable_only = not target_cls.supports_triton
+        if self.tree is not None:        # tree masks exist in the portable path only
+            if backend == "triton":
+                raise ValueError("attention_backend='triton' has no tree masks yet; "
+                                 "use_dynamic_tree runs on attention_backend='torch'")
+            return "torch"
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and not portable_only else "torch"
         if backend == "triton" and self.device.type != "cuda":
@@ -196,6 +216,13 @@ class Engine:
             raise ValueError(f"attention_backend='triton' is not available for "
                              f"{target_cls.__name__}; use 'torch'")
         return backend
+
+    def _check_tree(self, drafter, mcfg):
+        if mcfg.sliding_window is not None:
+            raise ValueError("use_dynamic_tree does not support targets with a sliding window")
+        if self.tree.top_k > drafter.draft_vocab_size:
+            raise ValueError(f"dynamic_tree_max_topK must be <= the head's draft vocabulary "
+                             f"({drafter.draft_vocab_size}), got {self.tree.top_k}")
 
     def _default_draft_len(self, batch_size: int) -> int:
         if self.spec_config is None or not self.gate.enabled:
@@ -238,6 +265,9 @@ class Engine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if sp.structured_outputs is not None and self.tree is not None:
+            raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
+                             "(tree drafts are not grammar-masked); use chain drafting")
         req = Request(rid, ids, sp)
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
             req.grammar = self.grammars.matcher(sp.structured_outputs)

@@ -9,6 +9,7 @@ from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
+from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import StepGrammar
 
@@ -43,18 +44,24 @@ class ModelRunner:
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
         relaxed = [] if res.relaxed is None else [res.relaxed.reshape(-1)]
+        tree = [] if res.draft_parents is None else [res.draft_parents.reshape(-1)]
         flat = torch.cat([res.context_tokens, res.accepted.reshape(-1), res.num_accepted,
-                          res.drafts.reshape(-1), *relaxed]).tolist()        # one host copy
+                          res.drafts.reshape(-1), *relaxed, *tree]).tolist()  # one host copy
         ctx, flat = flat[:bc], flat[bc:]
         acc, flat = flat[:bg * (k + 1)], flat[bg * (k + 1):]
         num_acc, flat = flat[:bg], flat[bg:]
         kd = res.drafts.shape[1]
+        if tree:
+            flat, tree = flat[:-res.drafts.numel()], flat[-res.drafts.numel():]
         if relaxed:
             flat, relaxed = flat[:-bg * k], flat[-bg * k:]
             relaxed = [relaxed[i * k:(i + 1) * k] for i in range(bg)]
         drafts: list[list[int]] = [[] for _ in range(bc + bg)]
+        parents: list[list[int]] = [[] for _ in range(bc + bg)]
         for row, i in enumerate(drafting_requests(batch) if kd else []):
             drafts[i] = flat[row * kd:(row + 1) * kd]
+            if tree:
+                parents[i] = tree[row * kd:(row + 1) * kd]
             if res.draft_probs is not None:
                 batch.requests[i].draft_probs = res.draft_probs[row]
         return StepOutput(
@@ -63,6 +70,7 @@ class ModelRunner:
             num_accepted=num_acc,
             drafts=drafts,
             relaxed=relaxed or None,
+            draft_parents=parents if tree else None,
         )
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
@@ -87,6 +95,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k
+        tree = self.worker.tree if k else None
         ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
         draft_ctx_rows = []
         row_params, row_pos = [], []       # per logit row: params, position of its token
@@ -104,18 +113,21 @@ class ModelRunner:
             row_params.append(c.req.sampling_params)
             row_pos.append(end)
         gen_start = len(ids)
-        draft_rows = []
+        draft_rows, tree_parents, rotary = [], [], list(pos)
         for req in batch.generation:
-            drafts = (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k]
+            drafts, parents = self._verified_drafts(req, k)
             draft_rows.append(drafts)
-            p = req.num_computed
-            logit_rows += range(len(ids), len(ids) + k + 1)
+            tree_parents.append(parents)
+            offsets = depths_of(parents) if tree else range(k + 1)   # row -> position - P
+            rows, p = len(offsets), req.num_computed
+            logit_rows += range(len(ids), len(ids) + rows)
             ids += [req.token_ids[-1]] + drafts
-            pos += range(p, p + k + 1)
-            shift += [PLACEHOLDER] * (k + 1)
-            q_lens.append(k + 1)
-            row_params += [req.sampling_params] * (k + 1)
-            row_pos += range(p + 1, p + k + 2)
+            pos += range(p, p + rows)            # cache positions: a chain's, for trees too
+            rotary += [p + o for o in offsets]
+            shift += [PLACEHOLDER] * rows
+            q_lens.append(rows)
+            row_params += [req.sampling_params] * rows
+            row_pos += [p + o + 1 for o in offsets]
         reqs = batch.requests
         draft_reqs = drafting_requests(batch)
         dev = self.device
@@ -126,25 +138,52 @@ class ModelRunner:
         max_kv = max(pos) + 1
         meta = build_attention_metadata(block_tables, q_lens, positions, self.block_size, max_kv,
                                         self.sliding_window, self.worker.attn_backend)
+        num_drafts = len(draft_rows[0]) if draft_rows else k
         return StepInputs(
             input_ids=as_long(ids), positions=positions, meta=meta, block_tables=block_tables,
             num_ctx=len(batch.context), num_gen=len(batch.generation), k=k,
             logit_rows=as_long(logit_rows), ctx_last_rows=as_long(ctx_last), gen_start=gen_start,
             draft_ctx_rows=as_long(draft_ctx_rows), draft_reqs=as_long(draft_reqs),
             shift_ids=as_long(shift),
-            draft_tokens=as_long(draft_rows).view(len(batch.generation), k),
+            draft_tokens=as_long(draft_rows).view(len(batch.generation), num_drafts),
             draft_probs=self._draft_probs(batch.generation, draft_rows, k),
             row_sampling=self._sampling_rows(row_params, row_pos),
             gen_sampling=self._sampling(batch.generation,       # positions: first drafts
                                         [r.num_computed + 1 for r in batch.generation]),
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
-            max_kv_draft=max_kv + k, block_size=self.block_size,
+            max_kv_draft=max_kv + (tree.num_draft_slots if tree else k),
+            block_size=self.block_size,
             relaxed_delta=None if self.worker.relaxed_topk is None else torch.tensor(
                 [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
                  for r in batch.generation], dtype=torch.float32, device=dev),
             grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)
             if StepGrammar.needed(batch) else None,
+            tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary))
+            if tree and batch.generation else None,
         )
+
+    def _verified_drafts(self, req: Request, k: int) -> tuple[list[int], list[int] | None]:
+        """The drafts a generation request verifies this step and, for a tree, their
+        parents. Missing drafts are padding: a chain's are token 0, a tree's N nodes of
+        token 0 under the root (verifying them stays lossless)."""
+        tree = self.worker.tree if k else None
+        if tree is None:
+            return (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k], None
+        n = tree.num_nodes
+        if len(req.draft_tokens) == n and len(req.draft_parents) == n:
+            return list(req.draft_tokens), list(req.draft_parents)
+        return [PAD_DRAFT] * n, [0] * n
+
+    def _tree_inputs(self, batch: ScheduledBatch, meta, tree_parents, rotary) -> TreeInputs:
+        """The tree verify: each generation request's rows see the prefix and their own
+        ancestors in the block [P, P + N] (TreeInputs)."""
+        dev = self.device
+        parents = torch.tensor(tree_parents, dtype=torch.int64, device=dev)  # [Bg, N]
+        ancestors = ancestor_matrix(parents, self.worker.tree.depth)
+        bc = len(batch.context)
+        base = torch.tensor([r.num_computed for r in batch.generation], device=dev)
+        gen = torch.arange(bc, bc + len(batch.generation), device=dev)
+        return TreeInputs(parents, ancestors, rotary, mask_tree_block(meta, gen, base, ancestors))
 
     def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:
         return self._sampling_rows([r.sampling_params for r in reqs], positions)

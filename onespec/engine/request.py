@@ -55,6 +55,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
+    draft_parents: list[int] = field(default_factory=list)  # tree drafts: parent row of each
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
     draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)

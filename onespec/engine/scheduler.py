@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from onespec.engine.kv_cache import BlockPool, slots_per_step
+from onespec.engine.kv_cache import BlockPool
 from onespec.engine.request import Request, RequestStatus
+from onespec.speculative.shape import ChainShape, TreeShape
 
 
 @dataclass
@@ -37,12 +38,15 @@ class StepOutput:
     num_accepted: list[int]             # [Bg]
     drafts: list[list[int]]             # [B][K] next draft tokens (context first)
     relaxed: list[list[int]] | None = None  # [Bg][K] 1: draft accepted by the relaxed rule only
+    draft_parents: list[list[int]] | None = None  # [B][N] parents of the drafted tree (trees)
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_tokens: int, max_batch_size: int,
-                 max_model_len: int, has_drafter: bool, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, has_drafter: bool, eos_token_ids: tuple[int, ...],
+                 shape: ChainShape | TreeShape | None = None):
         self.pool = pool
+        self.shape = shape or ChainShape(has_drafter)   # rows and slots a step takes
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         self.max_model_len = max_model_len
         self.has_drafter = has_drafter
@@ -63,7 +67,7 @@ class Scheduler:
 
     # ---- slot reservations -------------------------------------------------------------
     def _gen_slots(self, req: Request, k: int) -> int:
-        return req.num_computed + slots_per_step(k, self.has_drafter)
+        return req.num_computed + self.shape.gen_slots(k)
 
     def reserve_ahead(self, req: Request, k: int) -> bool:
         """For a step launched before the one in flight is read (the overlap scheduler):
@@ -80,7 +84,7 @@ class Scheduler:
         return True
 
     def _ctx_slots(self, chunk_end: int, is_last: bool, k: int) -> int:
-        return chunk_end + (max(k - 1, 0) if is_last and self.has_drafter else 0)
+        return chunk_end + (self.shape.ctx_slots(k) if is_last else 0)
 
     # ---- schedule ----------------------------------------------------------------------
     def schedule(self, k: int) -> ScheduledBatch:
@@ -99,9 +103,10 @@ class Scheduler:
                 is_last = end == req.num_tokens
                 slots = self._ctx_slots(end, is_last, k)
             else:
-                if budget < k + 1:
+                length = self.shape.verify_rows(k)
+                if budget < length:
                     continue
-                length, slots = k + 1, self._gen_slots(req, k)
+                slots = self._gen_slots(req, k)
             if not self._reserve(req, slots):
                 continue
             budget -= length
@@ -160,8 +165,10 @@ class Scheduler:
         advanced = []
         ctx_tokens = iter(out.context_tokens)
         drafts = iter(out.drafts)
+        parents = iter(out.draft_parents or [])
         for chunk in batch.context:
             req, token, next_drafts = chunk.req, next(ctx_tokens), next(drafts)
+            next_parents = next(parents, [])
             req.num_computed = chunk.start + chunk.length
             if not chunk.is_last:
                 self.pool.cache_blocks(req)
@@ -169,24 +176,25 @@ class Scheduler:
             req.in_context = False
             req.metrics.target_steps += 1
             self._append(req, [token])
-            req.draft_tokens = next_drafts
+            req.draft_tokens, req.draft_parents = next_drafts, next_parents
             advanced.append(req)
         relaxed = iter(out.relaxed or [])
         for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
             next_drafts, relaxed_row = next(drafts), next(relaxed, None)
+            next_parents = next(parents, [])
             if req.status != RequestStatus.RUNNING:
                 continue    # finished or aborted while this (overlapped) step was in flight
             req.metrics.target_steps += 1
             req.num_computed += n             # KV past the accepted prefix is rewound
             emitted = self._append(req, accepted[:n])
             if batch.k > 0 and req.draft_tokens:
-                req.metrics.num_draft_tokens += batch.k
+                req.metrics.num_draft_tokens += self.shape.num_drafts(batch.k)
                 # only drafts that were emitted (a stop or max_tokens may cut the run), so
                 # target_steps + num_accepted_draft_tokens == num_generated_tokens
                 req.metrics.num_accepted_draft_tokens += emitted - 1
                 if relaxed_row is not None:
                     req.metrics.num_relaxed_accepted_tokens += sum(relaxed_row[:emitted - 1])
-            req.draft_tokens = next_drafts
+            req.draft_tokens, req.draft_parents = next_drafts, next_parents
             advanced.append(req)
         for req in advanced:
             self.pool.cache_blocks(req)       # before a finished request releases them

@@ -12,6 +12,7 @@ class SpecStats:
         self.steps_by_k: Counter[int] = Counter()   # engine steps run at each draft length
         self.proposed = [0] * max_draft_len     # drafts verified at position j
         self.accepted = [0] * max_draft_len     # drafts accepted at position j
+        self.path_lengths = [0] * (max_draft_len + 1)   # steps that accepted j drafts
         self.totals = RequestMetrics()
         self.num_requests = 0
         self.num_prompt_tokens = 0
@@ -22,6 +23,8 @@ class SpecStats:
         this step; positions past its real drafts (padding after K grew) are not counted."""
         self.steps_by_k[k] += 1
         for n, num_drafts in drafted:
+            if k:
+                self.path_lengths[n - 1] += 1
             for j in range(num_drafts):
                 self.proposed[j] += 1
                 self.accepted[j] += j < n - 1
@@ -61,4 +64,6 @@ class SpecStats:
                                       if self.num_prompt_tokens else 0.0),
             "steps_by_draft_len": dict(sorted(self.steps_by_k.items())),
             **({"draft_len_policy": self.policy.as_dict()} if self.policy else {}),
+            # steps by accepted drafts (a tree's accepted path length; depth = position)
+            "accepted_path_length_counts": list(self.path_lengths),
         }

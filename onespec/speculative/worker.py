@@ -18,6 +18,9 @@ from onespec.speculative.acceptance import (forced_num_accepted, forced_num_acce
                                             forced_run, rejection_accept, relaxed_accept,
                                             strict_accept)
 from onespec.speculative.drafter import Drafter
+from onespec.speculative.shape import TreeShape
+from onespec.speculative.tree import TreeInputs
+from onespec.speculative.tree_step import tree_step
 from onespec.structured.step import RowMask, StepGrammar
 
 
@@ -45,6 +48,7 @@ class StepInputs:
     block_size: int
     relaxed_delta: torch.Tensor | None = None  # [Bg] thinking delta (relaxed acceptance)
     grammar: StepGrammar | None = None   # masks of constrained requests (structured outputs)
+    tree: TreeInputs | None = None       # tree verify of the generation requests (trees)
 
 
 @dataclass
@@ -55,14 +59,17 @@ class StepResults:
     drafts: torch.Tensor             # [Bd, K] target ids, one row per draft_reqs entry
     draft_probs: torch.Tensor | None  # [Bd, K, V] in target-vocab space (rejection sampling)
     relaxed: torch.Tensor | None = None  # [Bg, K] drafts accepted by the relaxed rule only
+    draft_parents: torch.Tensor | None = None  # [Bd, N] parent of each drafted node (trees)
 
 
 class SpecWorker:
     def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
                  force_acceptance_length: float | None = None, generator=None,
                  attn_backend: str = "torch", relaxed_topk: int | None = None,
-                 force_acceptance_rates: tuple[float, ...] | None = None):
+                 force_acceptance_rates: tuple[float, ...] | None = None,
+                 tree: TreeShape | None = None):
         self.target, self.drafter = target, drafter
+        self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
         self.relaxed_topk = relaxed_topk      # relaxed acceptance for greedy batches
         self.use_rejection_sampling = use_rejection_sampling
         self.force_acceptance_length = force_acceptance_length
@@ -82,6 +89,9 @@ class SpecWorker:
                 inp.grammar.rollback()
 
     def _step(self, inp: StepInputs) -> StepResults:
+        if self.tree is not None and inp.k:
+            ctx, accepted, num_accepted, drafts, parents = tree_step(self, inp, self.tree)
+            return StepResults(ctx, accepted, num_accepted, drafts, None, draft_parents=parents)
         capture = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
         rows = hidden[inp.logit_rows]
@@ -116,10 +126,7 @@ class SpecWorker:
             if not self._forcing(bg):       # (a forced count needs no comparison)
                 accepted, num_accepted = strict_accept(inp.draft_tokens, accepted)
         if self._forcing(bg):
-            if self.step_counter is None:
-                self.step_counter = torch.zeros((), dtype=torch.int64, device=rows.device)
-            self.step_counter.add_(1)
-            num_accepted = self._forced_counts(bg, k, rows.device)
+            num_accepted = self._forced_num_accepted(bg, k, rows.device)
             if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
                 valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
                 num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
@@ -163,7 +170,11 @@ class SpecWorker:
                                                          inp.relaxed_delta, self.relaxed_topk)
         return tokens, accepted, num_accepted, relaxed
 
-    def _forced_counts(self, bg: int, k: int, device):                       # [Bg] int64
+    def _forced_num_accepted(self, bg: int, k: int, device):                 # [Bg] int64
+        """The forced counts of this step (the step counter lives on the device)."""
+        if self.step_counter is None:
+            self.step_counter = torch.zeros((), dtype=torch.int64, device=device)
+        self.step_counter.add_(1)
         if self.force_acceptance_rates is None:
             return forced_num_accepted(self.force_acceptance_length, bg, k, self.step_counter,
                                        device)
@@ -185,29 +196,15 @@ class SpecWorker:
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
                  num_accepted):
-        bg, k = inp.num_gen, inp.k
-        device = inp.input_ids.device
-        empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64, device=device)
+        k = inp.k
+        empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64,
+                            device=inp.input_ids.device)
         if self.drafter is None:
             return empty, None
-        # step 0: every row, shifted-by-one inputs, writes draft KV for all positions
-        if inp.num_ctx:
-            ids = inp.shift_ids.clone()
-            ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
-                                                 ids[inp.ctx_last_rows])
-            ids[inp.gen_start:] = accepted.reshape(-1)
-        else:       # generation rows only: their inputs are the accepted tokens as they are
-            ids = accepted.reshape(-1)
-        h = self.drafter.initial_hidden(captured, hidden)
-        h = self.drafter.forward(ids, inp.positions, h, inp.meta)              # [T, H]
+        h = self._first_pass(inp, hidden, captured, context_tokens, accepted)
         if k == 0:
             return empty, None
-        gen_last = torch.arange(inp.gen_start - 1, inp.gen_start - 1 + bg * (k + 1), k + 1,
-                                device=device) + num_accepted
-        rows = torch.cat([inp.draft_ctx_rows, gen_last]) if inp.num_ctx else gen_last  # [Bd]
-        h, pos = h[rows], inp.positions[rows]
-        # without context chunks every request drafts, in batch order
-        block_tables = inp.block_tables[inp.draft_reqs] if inp.num_ctx else inp.block_tables
+        h, pos, block_tables = self._roots(inp, h, num_accepted, k + 1)
         drafts, probs = [], []
         meta = None
         grammar = inp.grammar
@@ -226,6 +223,31 @@ class SpecWorker:
                 mask = grammar.advance(token)
         draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
         return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
+
+    def _first_pass(self, inp: StepInputs, hidden, captured, context_tokens, accepted):
+        """Draft step 0 over every row (shifted-by-one inputs), writing draft KV for every
+        position; accepted [Bg, rows of a generation request]. Returns its hidden [T, H]."""
+        if inp.num_ctx:
+            ids = inp.shift_ids.clone()
+            ids[inp.ctx_last_rows] = torch.where(ids[inp.ctx_last_rows] < 0, context_tokens,
+                                                 ids[inp.ctx_last_rows])
+            ids[inp.gen_start:] = accepted.reshape(-1)
+        else:       # generation rows only: their inputs are the accepted tokens as they are
+            ids = accepted.reshape(-1)
+        h = self.drafter.initial_hidden(captured, hidden)
+        return self.drafter.forward(ids, inp.positions, h, inp.meta)           # [T, H]
+
+    def _roots(self, inp: StepInputs, h, num_accepted, rows_per_gen: int):
+        """The step-0 rows the drafting requests continue from (a context chunk's last row,
+        a generation request's last accepted row): hidden [Bd, H], positions [Bd] and the
+        requests' block tables [Bd, nb]."""
+        gen_last = torch.arange(inp.gen_start - 1,
+                                inp.gen_start - 1 + inp.num_gen * rows_per_gen, rows_per_gen,
+                                device=h.device) + num_accepted
+        rows = torch.cat([inp.draft_ctx_rows, gen_last]) if inp.num_ctx else gen_last  # [Bd]
+        # without context chunks every request drafts, in batch order
+        block_tables = inp.block_tables[inp.draft_reqs] if inp.num_ctx else inp.block_tables
+        return h[rows], inp.positions[rows], block_tables
 
     def _pick(self, h, st: SamplingTensors, pos, mask: RowMask | None = None):
         """Draft token per request from the draft hidden rows h at positions pos [Bd]: argmax,

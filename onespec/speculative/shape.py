@@ -1,0 +1,63 @@
+"""How many rows and cache slots one step of a drafting method takes, per generation request.
+
+The scheduler reserves slots and counts tokens with these, so a chain and a tree share one
+scheduler. K is the step's draft length (0: a plain decode step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onespec.engine.kv_cache import slots_per_step
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    """K drafts in a row: the target verifies [t_last, d1..dK] (docs/DECODING.md)."""
+    drafting: bool = True          # a drafter is loaded (its passes write past the verify)
+
+    def verify_rows(self, k: int) -> int:
+        return k + 1
+
+    def num_drafts(self, k: int) -> int:
+        return k
+
+    def gen_slots(self, k: int) -> int:
+        return slots_per_step(k, self.drafting)
+
+    def ctx_slots(self, k: int) -> int:
+        """Slots past the end of a prompt's last chunk its draft passes write (K - 1)."""
+        return max(k - 1, 0) if self.drafting else 0
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A dynamic tree (docs/DECODING.md, "dynamic trees"): `depth` levels, `top_k` frontier
+    nodes a level with `top_k` children each, `num_nodes` nodes kept and verified. A step
+    with K > 0 drafts the whole tree; K = 0 is a plain decode step."""
+    depth: int
+    top_k: int
+    num_nodes: int
+
+    @property
+    def num_candidates(self) -> int:
+        """Nodes the expansion scores: top_k at depth 1, top_k² at each later depth."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Draft-KV slots past the root for the nodes the expansion runs (depths 1..D-1)."""
+        return (self.depth - 1) * self.top_k
+
+    def verify_rows(self, k: int) -> int:
+        return self.num_nodes + 1 if k else 1
+
+    def num_drafts(self, k: int) -> int:
+        return self.num_nodes if k else 0
+
+    def gen_slots(self, k: int) -> int:
+        """The verify writes P..P+N; the expansion writes the root's slot P + n - 1 <= P + N
+        plus num_draft_slots after it."""
+        return self.num_nodes + 1 + self.num_draft_slots if k else 1
+
+    def ctx_slots(self, k: int) -> int:
+        return self.num_draft_slots if k else 0

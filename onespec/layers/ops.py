@@ -10,6 +10,7 @@ reference) or `TritonOps` (layers/triton_ops.py: the fused Triton kernels on CUD
     add_full_norm(...)                     the same with norm(h) complete
     attention(attn, x, positions, ...)     qkv, rotary, KV write, paged attention [T, Hq D]
     embed_concat(ids, table, hidden, ...)  concat(norm_e(embedding), norm_h(hidden))
+    routed_experts(experts, x, ids, w)     sum_j w[:, j] * expert_{ids[:, j]}(x) (MoE)
     logits(layer, x, norm) / greedy(...)   float32 logits / their argmax per row
 
 A layer calls these in its one forward; which kernels run is the backend's choice.
@@ -100,6 +101,11 @@ class TorchOps:
         self.norm(embed_norm, embeds, out=a[:, :h])
         self.norm(hidden_norm, hidden, out=a[:, h:])
         return a
+
+    def routed_experts(self, experts, x, ids: torch.Tensor, weights: torch.Tensor):
+        """experts (models/moe.py Experts) applied to x [T, H] as routed by ids / weights
+        [T, k] -> [T, H]."""
+        return experts.portable(x, ids, weights)
 
     def logits(self, layer: nn.Linear, x, norm: RMSNorm | None = None) -> torch.Tensor:
         """layer(norm(x)) in float32 [N, V]."""

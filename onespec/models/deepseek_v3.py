@@ -13,7 +13,8 @@ the absorbed form, W_UK and W_UV being kv_b's per-head key and value rows:
 
     score_h(j) = scale * ([q_nope_h W_UK_h, q_pe_h] . latent(j));  out_h = (sum_j a_j c(j)) W_UV_h^T
 
-Longer prefill chunks expand the cached latents through kv_b and attend as usual. RoPE may
+Longer prefill chunks expand the cached latents through kv_b and attend as usual; with the
+Triton backend every row attends in the absorbed form, in kernels/mla.py. RoPE may
 be interleaved (pairs (x0, x1), (x2, x3), ...) and YaRN-scaled; YaRN's mscale_all_dim
 multiplies the softmax scale by mscale^2.
 """
@@ -250,7 +251,9 @@ class MLAttention(nn.Module):
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.kv_a_layernorm(c), k_pe.squeeze(1)], -1)       # [T, r + p]
         self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
-        if meta.max_q <= ABSORB_MAX_ROWS:
+        if meta.kv_slots is None:          # metadata built for the Triton kernels
+            out = self.attend_paged(q_nope, q_pe, meta)
+        elif meta.max_q <= ABSORB_MAX_ROWS:
             out = self.attend_absorbed(q_nope, q_pe, meta)
         else:
             out = self.attend_expanded(q_nope, q_pe, meta)
@@ -269,17 +272,33 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
+    def _absorbed_query(self, q_nope, q_pe):
+        """[q_nope_h W_UK_h, q_pe_h] [T, h, r + p]: a query against the latents."""
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._kv_b_heads()[0])
+        return torch.cat([q_lat, q_pe], -1)
+
+    def _values(self, latent_out):
+        """Attention-weighted latents [T, h, r] -> per-head values [T, h, v] (W_UV)."""
+        return torch.einsum("thr,hvr->thv", latent_out, self._kv_b_heads()[1])
+
     def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata):
         """q_nope [T, h, n], q_pe [T, h, p] -> [T, h, v], attending to the latents as one
         shared key/value head of width r + p (values: the first r)."""
-        w_uk, w_uv = self._kv_b_heads()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = self._padded(torch.cat([q_lat, q_pe], -1), meta)     # [B, h, Qmax, r + p]
+        query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
         latents = self.latent_cache[meta.kv_slots].unsqueeze(1)      # [B, 1, KV, r + p]
         out = F.scaled_dot_product_attention(query, latents, latents[..., :self.kv_lora_rank],
                                              attn_mask=meta.mask, scale=self.scale,
                                              enable_gqa=True)         # [B, h, Qmax, r]
-        return torch.einsum("thr,hvr->thv", self._unpadded(out, meta), w_uv)
+        return self._values(self._unpadded(out, meta))
+
+    def attend_paged(self, q_nope, q_pe, meta: AttentionMetadata):
+        """attend_absorbed through the Triton kernel, which walks the block tables itself
+        (every row count: prefill chunks attend in the absorbed form too)."""
+        from onespec.kernels.mla import mla_attention    # Triton: only on this backend
+        out = mla_attention(self._absorbed_query(q_nope, q_pe), self.latent_cache,
+                            meta.block_tables, meta.token_req, meta.positions,
+                            self.kv_lora_rank, self.scale, meta.block_size)
+        return self._values(out)
 
     def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):
         """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
@@ -305,14 +324,15 @@ class DeepseekRouter(Float32Router):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config):
+    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.cfg = cfg
         self.gate = DeepseekRouter(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               ops)
         self.shared_experts = MLP(cfg.hidden_size,
-                                  cfg.moe_intermediate_size * cfg.n_shared_experts) \
-            if cfg.n_shared_experts else None
+                                  cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  ops=ops) if cfg.n_shared_experts else None
 
     def forward(self, x):
         """x [T, H] -> routed experts + shared experts [T, H]."""
@@ -326,13 +346,13 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = DeepseekMoE(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
 
     def forward(self, h, positions, rotary, meta):
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
@@ -343,8 +363,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
     config_class = DeepseekV3Config
 
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
-        # ops: always the portable path here (supports_triton False)
-        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i))
+        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i, ops), ops)
 
     def setup_rotary(self, max_positions: int, device):
         self.rotary = self.make_rotary(max_positions, device)
@@ -356,7 +375,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
 
     def make_decoder_layer(self, layer_idx: int) -> DeepseekDecoderLayer:
         """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
-        return DeepseekDecoderLayer(self.config, layer_idx)
+        return DeepseekDecoderLayer(self.config, layer_idx, self.ops)
 
     def checkpoint_rename(self, name: str) -> str | None:
         m = re.match(r"model\.layers\.(\d+)\.", name)

@@ -11,7 +11,8 @@ Experts are stacked as Hugging Face 5.x stores them: gate_up_proj [E, 2I, H] (ga
 first) and down_proj [E, H, I]; models/loader.py maps per-expert checkpoint keys
 (`experts.{e}.gate_proj.weight`, ...) onto them. Few (token, expert) pairs gather their
 experts' weights (no host sync, only the routed experts are read); more loop over the
-experts the batch routes to (the portable path).
+experts the batch routes to (the portable path). The Triton backend runs every pass as a
+grouped GEMM instead (kernels/moe.py: no host sync, fixed shapes, graph-capturable).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
+from onespec.layers.ops import TORCH_OPS, TorchOps
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
 
@@ -58,15 +60,21 @@ def softmax_route(logits: torch.Tensor,         # [T, E] router logits
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.ops = ops
 
     def forward(self, x, ids, weights):
         """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
+        return self.ops.routed_experts(self, x, ids, weights)
+
+    def portable(self, x, ids, weights):
+        """forward through PyTorch operations (any device, autograd)."""
         if ids.numel() <= GATHER_MAX_PAIRS:
             return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
@@ -111,14 +119,17 @@ class PagedCausalLM(nn.Module):
     """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
     capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
     over self.model (a DecoderStack of make_layer(i) layers) and self.lm_head. Subclasses
-    give the layers and the rotary table (setup_rotary). The portable path only: no Triton
-    kernels."""
+    give the layers (built with the backend `ops`) and the rotary table (setup_rotary).
+    Under the Triton backend the step is graph-capturable: attention and experts run
+    kernels that read their metadata on the device, the rest is PyTorch without host
+    syncs."""
 
-    supports_triton = False
+    supports_triton = True
 
-    def __init__(self, cfg, make_layer: Callable[[int], nn.Module]):
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module], ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.config = cfg
+        self.ops = ops
         self.rotary = None
         self.model = DecoderStack(cfg, make_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

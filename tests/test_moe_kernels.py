@@ -1,0 +1,167 @@
+"""The MoE targets' Triton kernels (kernels/moe.py, kernels/mla.py) and the DeepSeek-V3 and
+Qwen3-MoE forwards on the Triton backend, against the portable path. Compiled on CUDA;
+without CUDA, conftest runs them in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moe_utils import make_deepseek_model, make_qwen3_moe_model
+
+pytest.importorskip("triton")
+
+from onespec.kernels.mla import SPLIT_ROWS, mla_attention  # noqa: E402
+from onespec.kernels.moe import grouped_experts, sort_pairs  # noqa: E402
+from onespec.layers.attention import build_attention_metadata  # noqa: E402
+from onespec.models.moe import Experts  # noqa: E402
+from test_triton_kernels import DEV, TOL, ops_for  # noqa: E402
+
+
+def make_experts(num_experts: int, hidden: int, inter: int, dtype, seed: int = 0) -> Experts:
+    torch.manual_seed(seed)
+    experts = Experts(num_experts, hidden, inter)
+    nn.init.normal_(experts.gate_up_proj, 0, hidden ** -0.5)
+    nn.init.normal_(experts.down_proj, 0, inter ** -0.5)
+    return experts.to(DEV, dtype)
+
+
+def route(tokens: int, num_experts: int, top_k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    return ids.to(DEV), torch.rand(tokens, top_k, generator=g).to(DEV)
+
+
+def test_sort_pairs_groups_pairs_by_expert():
+    ids = torch.tensor([[3, 0], [0, 2], [3, 1]], device=DEV)
+    slots, offsets = sort_pairs(ids, 5)
+    assert slots.tolist() == [1, 2, 5, 3, 0, 4]        # expert 0: pairs 1, 2; 1: 5; ...
+    assert offsets.tolist() == [0, 2, 3, 4, 6, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [
+    (1, 8, 2, 64, 32),           # a decode row
+    (5, 8, 3, 96, 40),           # widths that are not tile multiples
+    (40, 6, 2, 64, 80),          # several 16-pair tiles per expert
+])
+@torch.inference_mode()
+def test_grouped_experts_match_portable_path(dtype, tokens, num_experts, top_k, hidden, inter):
+    experts = make_experts(num_experts, hidden, inter, dtype)
+    x = torch.randn(tokens, hidden, device=DEV).to(dtype)
+    ids, weights = route(tokens, num_experts, top_k)
+    got = ops_for("triton").routed_experts(experts, x, ids, weights)
+    ref = experts.portable(x, ids, weights)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    # bfloat16: the portable path rounds gate, up and their product; the kernel does not
+    tol = TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@torch.inference_mode()
+def test_grouped_experts_read_only_routed_experts():
+    """Experts no pair chose are never read: NaN weights there leave the result finite."""
+    experts = make_experts(8, 64, 32, torch.float32)
+    x = torch.randn(3, 64, device=DEV)
+    ids = torch.tensor([[1, 4], [4, 6], [6, 1]], device=DEV)
+    weights = torch.rand(3, 2, device=DEV)
+    ref = experts.portable(x, ids, weights)
+    for e in (0, 2, 3, 5, 7):
+        experts.gate_up_proj[e] = float("nan")
+        experts.down_proj[e] = float("nan")
+    got = grouped_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_grouped_experts_rows_do_not_depend_on_the_batch():
+    experts = make_experts(8, 64, 32, torch.float32)
+    x = torch.randn(9, 64, device=DEV)
+    ids, weights = route(9, 8, 2)
+    full = grouped_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    alone = grouped_experts(x[4:5], experts.gate_up_proj, experts.down_proj, ids[4:5],
+                            weights[4:5])
+    torch.testing.assert_close(alone, full[4:5], atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_experts_reject_mismatched_shapes():
+    experts = make_experts(4, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        grouped_experts(torch.randn(2, 48, device=DEV), experts.gate_up_proj,
+                        experts.down_proj, *route(2, 4, 2))
+
+
+def latent_reference(q, cache, tables, req, positions, rank, scale, block_size):
+    """Row by row: softmax(scale q . latents[0..pos]) over the latents' first rank dims."""
+    outs = []
+    for i in range(q.shape[0]):
+        n = torch.arange(int(positions[i]) + 1, device=q.device)
+        latents = cache[tables[req[i], n // block_size] * block_size + n % block_size].float()
+        probs = (scale * q[i].float() @ latents.T).softmax(-1)           # [heads, n]
+        outs.append(probs @ latents[:, :rank])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,rank,rope,lens", [
+    (4, 32, 16, [5]),                        # a decode row: split keys, one tile
+    (20, 64, 16, [70, 1, 33]),               # two head groups, many tiles across splits
+    (4, 24, 8, [9] * (SPLIT_ROWS + 3)),      # unsplit launch; widths not powers of two
+])
+@torch.inference_mode()
+def test_mla_kernel_matches_reference(dtype, heads, rank, rope, lens):
+    block_size, batch = 4, len(lens)
+    g = torch.Generator().manual_seed(0)
+    nb = max(lens) // block_size + 1
+    tables = torch.randperm(batch * nb + 3, generator=g)[:batch * nb].view(batch, nb).to(DEV)
+    cache = torch.randn(batch * nb * block_size + 12, rank + rope, generator=g).to(DEV, dtype)
+    q = torch.randn(batch, heads, rank + rope, generator=g).to(DEV, dtype)
+    req = torch.arange(batch, device=DEV)
+    positions = torch.tensor(lens, device=DEV) - 1
+    got = mla_attention(q, cache, tables, req, positions, rank, 0.15, block_size)
+    ref = latent_reference(q, cache, tables, req, positions, rank, 0.15, block_size)
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_mla_kernel_rejects_mismatched_cache():
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_attention(torch.zeros(1, 4, 48, device=DEV), torch.zeros(8, 40, device=DEV),
+                      torch.zeros(1, 2, dtype=torch.int64, device=DEV),
+                      torch.zeros(1, dtype=torch.int64, device=DEV),
+                      torch.zeros(1, dtype=torch.int64, device=DEV), 32, 0.1, 4)
+
+
+def backend_forwards(path, backend: str, chunks, tables, ids):
+    """The target at `path` on `backend`: hidden states, logits and greedy tokens of each
+    chunk (lo, hi) of ids in turn, each over the cache the chunks before it wrote."""
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.registry import load_target
+    model = load_target(str(path), DEV, torch.float32, ops=ops_for(backend))
+    model.setup_rotary(128, DEV)
+    allocate_kv_cache([layer.self_attn for layer in model.model.layers], 9, 8, DEV)
+    outs = []
+    for lo, hi in chunks:
+        pos = torch.arange(lo, hi, device=DEV)
+        meta = build_attention_metadata(tables, hi - lo, pos, 8, hi, None, backend)
+        hidden, _ = model(ids[lo:hi], pos, meta)
+        outs += [hidden, model.compute_logits(hidden), model.greedy_tokens(hidden)]
+    return outs
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "qwen3-moe"])
+@torch.inference_mode()
+def test_moe_target_on_triton_matches_portable_path(tmp_path, family):
+    """Whole forwards with the Triton backend (absorbed MLA over the paged latents or the
+    Triton paged attention, grouped experts, GEMV dense and shared experts) equal the
+    portable path: a 40-row prefill chunk, a 20-row chunk, a 4-row verify and one decode
+    row, each over the cache the chunks before wrote."""
+    make = make_deepseek_model if family == "deepseek-v3" else make_qwen3_moe_model
+    make(tmp_path)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (65,), device=DEV)
+    tables = torch.tensor([[2, 0, 3, 1, 6, 4, 7, 5, 8]], device=DEV)
+    chunks = ((0, 40), (40, 60), (60, 64), (64, 65))
+    got = backend_forwards(tmp_path, "triton", chunks, tables, ids)
+    ref = backend_forwards(tmp_path, "torch", chunks, tables, ids)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -158,9 +158,9 @@ def test_moe_target_on_triton_matches_portable_path(tmp_path, family):
     make = make_deepseek_model if family == "deepseek-v3" else make_qwen3_moe_model
     make(tmp_path)
     torch.manual_seed(0)
-    ids = torch.randint(3, 128, (65,), device=DEV)
+    ids = torch.randint(3, 128, (45,), device=DEV)
     tables = torch.tensor([[2, 0, 3, 1, 6, 4, 7, 5, 8]], device=DEV)
-    chunks = ((0, 40), (40, 60), (60, 64), (64, 65))
+    chunks = ((0, 40), (40, 44), (44, 45))
     got = backend_forwards(tmp_path, "triton", chunks, tables, ids)
     ref = backend_forwards(tmp_path, "torch", chunks, tables, ids)
     for a, b in zip(got, ref):

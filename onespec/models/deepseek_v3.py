@@ -206,8 +206,9 @@ def softmax_scale(cfg: DeepseekV3Config) -> float:
 
 # ---- attention -------------------------------------------------------------------------
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config):
+    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads, self.kv_lora_rank = heads, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -242,14 +243,21 @@ class MLAttention(nn.Module):
         self.latent_cache = torch.zeros(num_slots, self.kv_lora_rank + self.rope_dim,
                                         dtype=self.o_proj.weight.dtype, device=device)
 
-    def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata):
-        """x [T, H] (normed) -> o_proj(attention) [T, H]; writes this step's latents."""
-        t = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+    def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None):
+        """x [T, H] (normed) -> (residual +) o_proj(attention) [T, H]; writes this step's
+        latents."""
+        t, ops = x.shape[0], self.ops
+        if self.q_lora:
+            q = ops.linear(self.q_b_proj,
+                           ops.norm(self.q_a_layernorm, ops.linear(self.q_a_proj, x)))
+        else:
+            q = ops.linear(self.q_proj, x)
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        c, k_pe = ops.linear(self.kv_a_proj_with_mqa, x).split([self.kv_lora_rank,
+                                                               self.rope_dim], -1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe.squeeze(1)], -1)       # [T, r + p]
+        latent = torch.cat([ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)  # [T, r + p]
         self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
         if meta.kv_slots is None:          # metadata built for the Triton kernels
             out = self.attend_paged(q_nope, q_pe, meta)
@@ -257,7 +265,7 @@ class MLAttention(nn.Module):
             out = self.attend_absorbed(q_nope, q_pe, meta)
         else:
             out = self.attend_expanded(q_nope, q_pe, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
         """rows [T, heads, D] -> [B, heads, Qmax, D] by request (zeros in padding rows)."""
@@ -342,21 +350,23 @@ class DeepseekMoE(nn.Module):
                                       c.num_experts_per_tok, c.n_group, c.topk_group,
                                       c.norm_topk_prob, c.routed_scaling_factor)
         out = self.experts(x, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else self.shared_experts(x, out)[0]
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekMoE(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
+        self.ops = ops
 
     def forward(self, h, positions, rotary, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.ops.norm
+        h = self.self_attn(norm(self.input_layernorm, h), positions, rotary, meta, residual=h)
+        return h + self.mlp(norm(self.post_attention_layernorm, h))
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):

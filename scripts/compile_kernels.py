@@ -164,6 +164,7 @@ def moe_cases():
     I = 1408."""
     from onespec.kernels import mla
     from onespec.kernels import moe
+    from onespec.kernels import moe_route
     block_n, warps, stages = mla.TILING
     latent = {"RANK": 512, "ROPE": 64, "R_PAD": 512, "P_PAD": 64, "BLOCK_H": mla.BLOCK_H,
               "BLOCK_SIZE": 16, "BLOCK_N": block_n, "IEEE": False}
@@ -185,6 +186,20 @@ def moe_cases():
     yield ("moe down, weighted (grouped)", moe._down_kernel,
            {"H": "*bf16", "W": "*bf16", "PAIR_SLOT": "*i32", "PAIR_WEIGHT": "*fp32",
             "OFFSETS": "*i32", "Y": "*fp32"}, tiles, (warps, stages))
+    route_types = {"LOGITS": "*fp32", "BIAS": "*fp32", "IDS": "*i32", "WEIGHTS": "*fp32",
+                   "SLOTS": "*i32", "PAIR_TOKEN": "*i32", "PAIR_WEIGHT": "*fp32",
+                   "OFFSETS": "*i32", "scaling": "fp32"}
+    route = {"T_PAD": 32, "E": 64, "TOP_K": 6, "SIGMOID": True, "GROUPS": 1,
+             "TOPK_GROUPS": 1, "NORM": True}
+    yield ("moe routing + pair sort (DeepSeek-V2-Lite, batch 8 verify)",
+           moe_route._route_sort_kernel, route_types, route, (4, 1))
+    yield ("moe routing + pair sort (DeepSeek-V3: 256 experts, 8 groups)",
+           moe_route._route_sort_kernel, route_types,
+           {**route, "E": 256, "TOP_K": 8, "GROUPS": 8, "TOPK_GROUPS": 4, "T_PAD": 64},
+           (4, 1))
+    yield ("moe routing + pair sort (Qwen3-MoE softmax, bf16 logits)",
+           moe_route._route_sort_kernel, {**route_types, "LOGITS": "*bf16"},
+           {**route, "E": 128, "TOP_K": 8, "SIGMOID": False}, (4, 1))
 
 
 def main():

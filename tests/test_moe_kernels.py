@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 
 from onespec.kernels.mla import SPLIT_ROWS, mla_attention  # noqa: E402
 from onespec.kernels.moe import grouped_experts, sort_pairs  # noqa: E402
+from onespec.kernels.moe_route import route_and_sort  # noqa: E402
 from onespec.layers.attention import build_attention_metadata  # noqa: E402
-from onespec.models.moe import Experts  # noqa: E402
+from onespec.models.moe import Experts, Router  # noqa: E402
 from test_triton_kernels import DEV, TOL, ops_for  # noqa: E402
 
 
@@ -34,9 +35,61 @@ def route(tokens: int, num_experts: int, top_k: int, seed: int = 1):
 
 def test_sort_pairs_groups_pairs_by_expert():
     ids = torch.tensor([[3, 0], [0, 2], [3, 1]], device=DEV)
-    slots, offsets = sort_pairs(ids, 5)
-    assert slots.tolist() == [1, 2, 5, 3, 0, 4]        # expert 0: pairs 1, 2; 1: 5; ...
-    assert offsets.tolist() == [0, 2, 3, 4, 6, 6]
+    r = sort_pairs(ids, torch.arange(6.0, device=DEV).view(3, 2), 5)
+    assert r.slots.tolist() == [1, 2, 5, 3, 0, 4]      # expert 0: pairs 1, 2; 1: 5; ...
+    assert r.pair_token.tolist() == [0, 1, 2, 1, 0, 2]
+    assert r.pair_weight.tolist() == [1.0, 2.0, 5.0, 3.0, 0.0, 4.0]
+    assert r.offsets.tolist() == [0, 2, 3, 4, 6, 6]
+
+
+ROUTERS = {
+    "deepseek-grouped": (Router(3, sigmoid=True, norm_topk_prob=True, num_groups=4,
+                                topk_groups=2, scaling=2.5), 16),
+    "deepseek-flat": (Router(6, sigmoid=True, norm_topk_prob=False, scaling=1.0), 64),
+    "deepseek-one-expert-groups": (Router(2, sigmoid=True, norm_topk_prob=True, num_groups=8,
+                                          topk_groups=3), 8),
+    "qwen3-softmax": (Router(2, sigmoid=False, norm_topk_prob=True), 8),
+    "qwen3-softmax-unnormed": (Router(4, sigmoid=False, norm_topk_prob=False), 32),
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_fused_routing_matches_pytorch(name, tokens):
+    """One program's routing and counting sort equal Router.route then sort_pairs (the
+    chosen experts in order, their weights, and the sorted pairs)."""
+    router, num_experts = ROUTERS[name]
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, num_experts, generator=g).to(DEV)
+    bias = (0.3 * torch.randn(num_experts, generator=g)).to(DEV)
+    weights, ids = router.route(logits, bias)
+    ref = sort_pairs(ids, weights, num_experts)
+    got = route_and_sort(logits, router.top_k, sigmoid=router.sigmoid, bias=bias,
+                         num_groups=router.num_groups, topk_groups=router.topk_groups,
+                         norm_topk_prob=router.norm_topk_prob, scaling=router.scaling)
+    assert torch.equal(got.ids.long(), ids)
+    for field in ("slots", "pair_token", "offsets"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
+    torch.testing.assert_close(got.weights, weights.float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.pair_weight, ref.pair_weight, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [5, 70])       # fused routing; PyTorch routing + sort
+@torch.inference_mode()
+def test_triton_backend_routes_and_runs_experts_as_the_portable_path(tokens):
+    router, num_experts = ROUTERS["deepseek-grouped"]
+    experts = make_experts(num_experts, 64, 32, torch.float32)
+    x = torch.randn(tokens, 64, device=DEV)
+    logits = torch.randn(tokens, num_experts, device=DEV)
+    bias = torch.randn(num_experts, device=DEV)
+    got = ops_for("triton").routed_experts(experts, x, logits, router, bias)
+    ref = ops_for("torch").routed_experts(experts, x, logits, router, bias)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_routing_rejects_shapes_outside_it():
+    with pytest.raises(ValueError, match="outside the fused routing"):
+        route_and_sort(torch.zeros(2, 12, device=DEV), 2, sigmoid=False)     # 12 experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,7 +103,8 @@ def test_grouped_experts_match_portable_path(dtype, tokens, num_experts, top_k, 
     experts = make_experts(num_experts, hidden, inter, dtype)
     x = torch.randn(tokens, hidden, device=DEV).to(dtype)
     ids, weights = route(tokens, num_experts, top_k)
-    got = ops_for("triton").routed_experts(experts, x, ids, weights)
+    got = grouped_experts(x, experts.gate_up_proj, experts.down_proj,
+                          sort_pairs(ids, weights, num_experts))
     ref = experts.portable(x, ids, weights)
     assert got.dtype == x.dtype and got.shape == x.shape
     # bfloat16: the portable path rounds gate, up and their product; the kernel does not
@@ -69,7 +123,8 @@ def test_grouped_experts_read_only_routed_experts():
     for e in (0, 2, 3, 5, 7):
         experts.gate_up_proj[e] = float("nan")
         experts.down_proj[e] = float("nan")
-    got = grouped_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    got = grouped_experts(x, experts.gate_up_proj, experts.down_proj,
+                          sort_pairs(ids, weights, 8))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -78,9 +133,10 @@ def test_grouped_experts_rows_do_not_depend_on_the_batch():
     experts = make_experts(8, 64, 32, torch.float32)
     x = torch.randn(9, 64, device=DEV)
     ids, weights = route(9, 8, 2)
-    full = grouped_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
-    alone = grouped_experts(x[4:5], experts.gate_up_proj, experts.down_proj, ids[4:5],
-                            weights[4:5])
+    full = grouped_experts(x, experts.gate_up_proj, experts.down_proj,
+                           sort_pairs(ids, weights, 8))
+    alone = grouped_experts(x[4:5], experts.gate_up_proj, experts.down_proj,
+                            sort_pairs(ids[4:5], weights[4:5], 8))
     torch.testing.assert_close(alone, full[4:5], atol=1e-6, rtol=1e-6)
 
 
@@ -88,7 +144,7 @@ def test_grouped_experts_reject_mismatched_shapes():
     experts = make_experts(4, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         grouped_experts(torch.randn(2, 48, device=DEV), experts.gate_up_proj,
-                        experts.down_proj, *route(2, 4, 2))
+                        experts.down_proj, sort_pairs(*route(2, 4, 2), 4))
 
 
 def latent_reference(q, cache, tables, req, positions, rank, scale, block_size):

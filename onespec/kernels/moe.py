@@ -16,6 +16,8 @@ same order for every token: a token's result never depends on the rest of the ba
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -104,46 +106,59 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-def sort_pairs(ids: torch.Tensor, num_experts: int):
-    """ids [T, k] -> (pair slots sorted by expert [P], expert offsets [E + 1]), on the
-    device, in shapes fixed by T and k (a stable sort: ties keep token order)."""
+@dataclass
+class Routing:
+    """A step's routed pairs (pair p = token * k + j is the token's j-th choice), sorted
+    by expert: place i holds pair slots[i] of token pair_token[i] with weight
+    pair_weight[i]; expert e's places are offsets[e] .. offsets[e + 1]."""
+    ids: torch.Tensor            # [T, k] expert of each pair
+    weights: torch.Tensor        # [T, k] routing weight of each pair
+    slots: torch.Tensor          # [P] int32
+    pair_token: torch.Tensor     # [P] int32
+    pair_weight: torch.Tensor    # [P] float32
+    offsets: torch.Tensor        # [E + 1] int32
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
+    """ids / weights [T, k] sorted by expert on the device, in shapes fixed by T and k (a
+    stable sort: ties keep token order), through PyTorch (any number of tokens)."""
     flat = ids.reshape(-1)
     experts, slots = torch.sort(flat, stable=True)
     bounds = torch.arange(num_experts + 1, device=ids.device, dtype=experts.dtype)
-    return slots, torch.searchsorted(experts, bounds).to(torch.int32)
+    return Routing(ids, weights, slots.to(torch.int32),
+                   (slots // ids.shape[1]).to(torch.int32),
+                   weights.reshape(-1).float()[slots],
+                   torch.searchsorted(experts, bounds).to(torch.int32))
 
 
 def grouped_experts(x: torch.Tensor,            # [T, H]
                     gate_up: torch.Tensor,      # [E, 2I, H] (gate rows first)
                     down: torch.Tensor,         # [E, H, I]
-                    ids: torch.Tensor,          # [T, k] expert of each pair
-                    weights: torch.Tensor       # [T, k] routing weight of each pair
-                    ) -> torch.Tensor:          # [T, H] in x's dtype
+                    routing: Routing) -> torch.Tensor:     # [T, H] in x's dtype
     """sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
     down(silu(gate(x)) * up(x)); only the routed experts' weights are read."""
-    num_tokens, top_k = ids.shape
+    num_tokens, top_k = routing.ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
-    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, inter):
+    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, inter) or \
+            routing.offsets.shape[0] != num_experts + 1:
         raise ValueError(f"grouped_experts: x {tuple(x.shape)}, gate_up "
                          f"{tuple(gate_up.shape)}, down {tuple(down.shape)} and ids "
-                         f"{tuple(ids.shape)} do not fit together")
+                         f"{tuple(routing.ids.shape)} of {routing.offsets.shape[0] - 1} "
+                         "experts do not fit together")
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    slots, offsets = sort_pairs(ids, num_experts)
-    pair_token = (slots // top_k).to(torch.int32)
-    pair_weight = weights.reshape(-1).float()[slots]
     pairs = num_tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = TILING
     ieee = x.dtype == torch.float32 or INTERPRETED
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, gate_up, pair_token, offsets, h, hidden, inter,
+        x, gate_up, routing.pair_token, routing.offsets, h, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages)
     _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
-        h, down, slots.to(torch.int32), pair_weight, offsets, y, hidden, inter,
+        h, down, routing.slots, routing.pair_weight, routing.offsets, y, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages)

@@ -6,7 +6,8 @@
   rotated heads and the KV cache itself where it can (kernels/rope_kv.py);
 - more rows: the linears through cuBLAS, with the RMSNorms, residual add + RMSNorm and
   SiLU * up as Triton row kernels (kernels/rows.py);
-- routed experts (MoE targets): a grouped GEMM over the step's (token, expert) pairs
+- routed experts (MoE targets): routing and the sort of the (token, expert) pairs in one
+  program at decode sizes (kernels/moe_route.py), then a grouped GEMM over the pairs
   (kernels/moe.py);
 - under autograd: the PyTorch path (TorchOps).
 Attention reads the block pool directly (kernels/attention.py) when the metadata was
@@ -21,7 +22,8 @@ from torch import nn
 from onespec.kernels import attention as attention_kernels
 from onespec.kernels.gemv import Prenormed, gemv, gemv_argmax, gemv_prenorm
 from onespec.kernels.launch import pdl_supported
-from onespec.kernels.moe import grouped_experts
+from onespec.kernels.moe import grouped_experts, sort_pairs
+from onespec.kernels.moe_route import fused_route_fits, route_and_sort
 from onespec.kernels.rope_kv import qkv_rope_and_cache, qkv_rope_fusable, rope_and_cache
 from onespec.kernels.rows import add_rms_norm, embed_norm_concat, rms_norm, silu_mul
 from onespec.kernels.settings import MAX_ROWS, KernelSettings
@@ -122,10 +124,18 @@ class TritonOps(TorchOps):
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device))
 
-    def routed_experts(self, experts, x, ids, weights):
+    def routed_experts(self, experts, x, logits, router, bias=None):
         if not self.rows(x):
-            return super().routed_experts(experts, x, ids, weights)
-        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+            return super().routed_experts(experts, x, logits, router, bias)
+        if fused_route_fits(x.shape[0], experts.num_experts, router.num_groups):
+            routing = route_and_sort(logits, router.top_k, sigmoid=router.sigmoid, bias=bias,
+                                     num_groups=router.num_groups,
+                                     topk_groups=router.topk_groups,
+                                     norm_topk_prob=router.norm_topk_prob,
+                                     scaling=router.scaling)
+        else:
+            routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
+        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):

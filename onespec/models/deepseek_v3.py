@@ -33,7 +33,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP
-from onespec.models.moe import Experts, Float32Router, PagedCausalLM, deepseek_route
+from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -334,7 +334,9 @@ class DeepseekRouter(Float32Router):
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
-        self.cfg = cfg
+        self.router = Router(cfg.num_experts_per_tok, sigmoid=True,
+                             norm_topk_prob=cfg.norm_topk_prob, num_groups=cfg.n_group,
+                             topk_groups=cfg.topk_group, scaling=cfg.routed_scaling_factor)
         self.gate = DeepseekRouter(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                ops)
@@ -344,12 +346,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x):
         """x [T, H] -> routed experts + shared experts [T, H]."""
-        c = self.cfg
         logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
-        weights, ids = deepseek_route(logits, self.gate.e_score_correction_bias.float(),
-                                      c.num_experts_per_tok, c.n_group, c.topk_group,
-                                      c.norm_topk_prob, c.routed_scaling_factor)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias)
         return out if self.shared_experts is None else self.shared_experts(x, out)[0]
 
 

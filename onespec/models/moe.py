@@ -16,6 +16,7 @@ grouped GEMM instead (kernels/moe.py: no host sync, fixed shapes, graph-capturab
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -59,6 +60,26 @@ def softmax_route(logits: torch.Tensor,         # [T, E] router logits
     return weights.to(logits.dtype), ids
 
 
+@dataclass(frozen=True)
+class Router:
+    """How a family turns router logits into (weights, expert ids): sigmoid = DeepSeek-V3
+    (deepseek_route, with the gate's score-correction bias), else Qwen3-MoE's softmax.
+    `route` is the PyTorch path; the Triton backend may fuse it (kernels/moe_route.py)."""
+    top_k: int
+    sigmoid: bool
+    norm_topk_prob: bool
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sigmoid:
+            return deepseek_route(logits, bias.float(), self.top_k, self.num_groups,
+                                  self.topk_groups, self.norm_topk_prob, self.scaling)
+        return softmax_route(logits, self.top_k, self.norm_topk_prob)
+
+
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  ops: TorchOps = TORCH_OPS):
@@ -69,12 +90,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.ops = ops
 
-    def forward(self, x, ids, weights):
-        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
-        return self.ops.routed_experts(self, x, ids, weights)
+    def forward(self, x, logits, router: Router, bias: torch.Tensor | None = None):
+        """x [T, H], router logits [T, E] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)
+        [T, H], (weights, ids) being router.route(logits, bias)."""
+        return self.ops.routed_experts(self, x, logits, router, bias)
 
     def portable(self, x, ids, weights):
-        """forward through PyTorch operations (any device, autograd)."""
+        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x),
+        through PyTorch operations (any device, autograd)."""
         if ids.numel() <= GATHER_MAX_PAIRS:
             return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)

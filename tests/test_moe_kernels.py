@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_utils import make_deepseek_model, make_qwen3_moe_model
+from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
 
 pytest.importorskip("triton")
 
@@ -221,3 +221,36 @@ def test_moe_target_on_triton_matches_portable_path(tmp_path, family):
     ref = backend_forwards(tmp_path, "torch", chunks, tables, ids)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_mtp_drafter_on_triton_matches_portable_path(tmp_path):
+    """The MTP layer's passes with the Triton backend (its decoder block, lm_head logits
+    and fused argmax) equal the portable path: a 4-row step 0 and a one-row later step
+    over the MTP layer's KV the first one wrote."""
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.mtp import load_mtp_head
+    from onespec.models.registry import load_target
+    from onespec.speculative.mtp import MTPDrafter
+    hf = make_deepseek_model(tmp_path, mtp_layers=1)
+    add_mtp_layers(tmp_path, hf, 1)
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 64, device=DEV)
+    ids = torch.randint(3, 128, (5,), device=DEV)
+    tables = torch.tensor([[1, 0]], device=DEV)
+    results = {}
+    for backend in ("torch", "triton"):
+        target = load_target(str(tmp_path), DEV, torch.float32, ops=ops_for(backend))
+        drafter = MTPDrafter(load_mtp_head(str(tmp_path), target, 1, DEV, torch.float32),
+                             target)
+        drafter.head.setup_rotary(64, DEV)
+        allocate_kv_cache(drafter.attention_layers, 2, 8, DEV)
+        outs = []
+        for lo, hi, h in ((0, 4, hidden), (4, 5, None)):
+            pos = torch.arange(3 + lo, 3 + hi, device=DEV)
+            meta = build_attention_metadata(tables, hi - lo, pos, 8, 3 + hi, None, backend)
+            h = drafter.forward(ids[lo:hi], pos, outs[-3][-1:] if h is None else h, meta)
+            outs += [h, drafter.compute_logits(h), drafter.greedy_target_ids(h)]
+        results[backend] = outs
+    for got, ref in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -42,7 +42,8 @@ def deepseek_route(logits: torch.Tensor,        # [T, E] float32 router logits
                                                            dim=-1).values.sum(-1)  # [T, G]
     groups = group_scores.topk(topk_groups, dim=-1).indices                        # [T, g]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    expert_mask = group_mask.repeat_interleave(experts // num_groups, dim=1)       # [T, E]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // num_groups) \
+        .reshape(tokens, experts)                                                  # [T, E]
     ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
@@ -171,10 +172,12 @@ class PagedCausalLM(nn.Module):
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden).float()                                 # [N, V]
+        return self.ops.logits(self.lm_head, hidden)                        # [N, V] float32
 
     def greedy_tokens(self, hidden):
-        return self.compute_logits(hidden).argmax(-1)                       # [N]
+        """compute_logits(hidden).argmax(-1), without writing the logits where the backend
+        can (the Triton backend's argmax inside the lm_head GEMV)."""
+        return self.ops.greedy(self.lm_head, hidden)                        # [N]
 
     def checkpoint_rename(self, name: str) -> str | None:
         """Checkpoint key -> parameter name (None: skip it)."""

@@ -178,6 +178,12 @@ def moe_cases():
     yield ("mla split merge", mla._merge_kernel, types,
            {k: latent[k] for k in ("RANK", "R_PAD", "BLOCK_H", "BLOCK_N")} |
            {"SPLITS": mla.SPLITS}, (4, 1))
+    yield ("mla rotary + latent write + absorbed query", mla._mla_rope_cache_kernel,
+           {"Q": "*bf16", "Q_LAT": "*bf16", "CKV": "*bf16", "NORM_W": "*bf16",
+            "COS_SIN": "*fp32", "POSITIONS": "*i64", "SLOTS": "*i64", "CACHE": "*bf16",
+            "QUERY": "*bf16", "eps": "fp32"},
+           {"NOPE": 128, "RANK": 512, "R_PAD": 512, "HALF": 32, "HALF_PAD": 32,
+            "BLOCK_H": mla.BLOCK_H, "INTERLEAVE": True}, (4, 1))
     bn, bk, warps, stages = moe.TILING
     tiles = {"BLOCK_M": moe.BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk, "IEEE": False}
     yield ("moe gate_up + silu (grouped)", moe._gate_up_kernel,

@@ -11,7 +11,7 @@ from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
 
 pytest.importorskip("triton")
 
-from onespec.kernels.mla import SPLIT_ROWS, mla_attention  # noqa: E402
+from onespec.kernels.mla import SPLIT_ROWS, mla_attention, mla_rope_and_cache  # noqa: E402
 from onespec.kernels.moe import grouped_experts, sort_pairs  # noqa: E402
 from onespec.kernels.moe_route import route_and_sort  # noqa: E402
 from onespec.layers.attention import build_attention_metadata  # noqa: E402
@@ -177,6 +177,38 @@ def test_mla_kernel_matches_reference(dtype, heads, rank, rope, lens):
     got = mla_attention(q, cache, tables, req, positions, rank, 0.15, block_size)
     ref = latent_reference(q, cache, tables, req, positions, rank, 0.15, block_size)
     torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave,heads,rope", [(True, 4, 16), (False, 20, 12)])
+@torch.inference_mode()
+def test_mla_rope_and_cache_matches_portable_path(dtype, interleave, heads, rope):
+    """The latents written (RMSNorm of c, rotated k_pe) and the absorbed queries equal
+    MLARotary + RMSNorm + concatenation (YaRN-scaled cos/sin; rope halves of 6 pairs are
+    padded in the kernel)."""
+    from onespec.layers.norm import RMSNorm
+    from onespec.models.deepseek_v3 import MLARotary
+    rows, nope, rank = 5, 8, 24
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    rotary = MLARotary(rope, 64, 10000.0, scaling, interleave, DEV)
+    norm = RMSNorm(rank, 1e-6).to(DEV, dtype)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, nope + rope, generator=g).to(DEV, dtype)
+    q_lat = torch.randn(rows, heads, rank, generator=g).to(DEV, dtype)
+    ckv = torch.randn(rows, rank + rope, generator=g).to(DEV, dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEV)
+    slots = torch.tensor([6, 0, 2, 9, 4], device=DEV)
+    cache = torch.zeros(10, rank + rope, device=DEV, dtype=dtype)
+    query = mla_rope_and_cache(q, q_lat, ckv, (norm.weight, norm.eps), rotary.cos_sin,
+                               positions, slots, cache, interleave)
+    q_pe, k_pe = rotary(positions, q[..., nope:], ckv[:, None, rank:])
+    want_cache = torch.zeros_like(cache)
+    want_cache[slots] = torch.cat([norm(ckv[:, :rank]), k_pe[:, 0]], -1)
+    tol = TOL[dtype] / 2
+    torch.testing.assert_close(cache.float(), want_cache.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(query.float(), torch.cat([q_lat, q_pe], -1).float(), atol=tol,
+                               rtol=tol)
 
 
 def test_mla_kernel_rejects_mismatched_cache():

@@ -13,6 +13,14 @@ programs (tile t goes to split t % SPLITS) and a second kernel merges the partia
 states in split order; a split without a tile leaves at once and the merge skips it. All
 metadata is read on the device and the grid depends only on the row count, so a step can
 be captured in a CUDA graph. A row's result depends only on its own keys.
+
+Before it, one program per row (mla_rope_and_cache) does the work around the cache that
+would otherwise be some fifteen small PyTorch launches a layer: RMSNorm of the row's
+latent c and RoPE of its k_pe into the cache slot, RoPE of the heads' q_pe, and the
+absorbed query [q_nope W_UK, rope(q_pe)] assembled for the attention kernel. RoPE pairs
+are (x_i, x_{i + p/2}), or (x_{2i}, x_{2i+1}) when interleaved; either way the rotated
+halves are stored side by side (the layout models/deepseek_v3.py's MLARotary writes), and
+everything rounds as the PyTorch operations it replaces.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import triton
 import triton.language as tl
 
 from onespec.kernels.launch import INTERPRETED
+from onespec.kernels.rows import _rms_row
 
 BLOCK_H = 16          # heads a program takes (tl.dot's smallest tile)
 SPLIT_ROWS = 32       # launches of up to this many rows split their keys
@@ -165,3 +174,87 @@ def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorb
             RANK=rank, R_PAD=r_pad, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLITS=splits,
             num_warps=4)
     return out
+
+
+@triton.jit
+def _rope_halves(base, i, mask, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The rotated halves (float32) of the rope parts at `base` (pointers, broadcast
+    against the pair index i)."""
+    if INTERLEAVE:
+        first, second = base + 2 * i, base + 2 * i + 1
+    else:
+        first, second = base + i, base + HALF + i
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _mla_rope_cache_kernel(Q, Q_LAT, CKV, NORM_W, COS_SIN, POSITIONS, SLOTS, CACHE, QUERY,
+                           stride_qt, stride_qh, stride_lt, stride_lh, stride_kt, stride_cs,
+                           stride_c, stride_yt, stride_yh, num_heads, eps,
+                           NOPE: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
+                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                           INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POSITIONS + t)
+    slot = tl.load(SLOTS + t)
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HALF
+    cos = tl.load(COS_SIN + pos * stride_cs + i, mask=i_ok, other=0.0)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
+    # the latent: [RMSNorm(c), rope(k_pe)]
+    latent = CACHE + slot * stride_c
+    _rms_row(CKV + t * stride_kt, NORM_W, latent, RANK, eps, R_PAD)
+    k1, k2 = _rope_halves(CKV + t * stride_kt + RANK, i, i_ok, cos, sin, HALF, INTERLEAVE)
+    dt = CACHE.dtype.element_ty
+    tl.store(latent + RANK + i, k1.to(dt), mask=i_ok)
+    tl.store(latent + RANK + HALF + i, k2.to(dt), mask=i_ok)
+    # the absorbed query of every head: [q_nope W_UK, rope(q_pe)]
+    r = tl.arange(0, R_PAD)
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < num_heads
+        out = QUERY + t * stride_yt + h[:, None] * stride_yh
+        lat_mask = h_ok[:, None] & (r < RANK)[None, :]
+        q_lat = tl.load(Q_LAT + t * stride_lt + h[:, None] * stride_lh + r[None, :],
+                        mask=lat_mask, other=0.0)
+        tl.store(out + r[None, :], q_lat.to(QUERY.dtype.element_ty), mask=lat_mask)
+        rope_mask = h_ok[:, None] & i_ok[None, :]
+        q1, q2 = _rope_halves(Q + t * stride_qt + h[:, None] * stride_qh + NOPE, i[None, :],
+                              rope_mask, cos[None, :], sin[None, :], HALF, INTERLEAVE)
+        tl.store(out + RANK + i[None, :], q1.to(QUERY.dtype.element_ty), mask=rope_mask)
+        tl.store(out + RANK + HALF + i[None, :], q2.to(QUERY.dtype.element_ty),
+                 mask=rope_mask)
+
+
+def mla_rope_and_cache(q: torch.Tensor,            # [T, heads, nope + rope] (q_proj's)
+                       q_lat: torch.Tensor,        # [T, heads, rank]: q_nope W_UK
+                       ckv: torch.Tensor,          # [T, rank + rope]: kv_a_proj's
+                       norm: tuple[torch.Tensor, float],    # kv_a_layernorm (weight, eps)
+                       cos_sin: torch.Tensor,      # [positions, rope]: cos | sin
+                       positions: torch.Tensor, slots: torch.Tensor,    # [T] each
+                       cache: torch.Tensor,        # [num_slots, rank + rope] latents
+                       interleave: bool) -> torch.Tensor:
+    """Writes each row's latent [RMSNorm(c), rope(k_pe)] to its cache slot; returns the
+    absorbed queries [T, heads, rank + rope] (in q_lat's dtype) for mla_attention."""
+    rows, heads, rank = q_lat.shape
+    rope = cache.shape[1] - rank
+    nope = q.shape[2] - rope
+    if rope % 2 or nope < 0 or ckv.shape != (rows, rank + rope) or q.shape[:2] != (rows, heads):
+        raise ValueError(f"mla_rope_and_cache: q {tuple(q.shape)}, q_lat "
+                         f"{tuple(q_lat.shape)}, ckv {tuple(ckv.shape)} and cache "
+                         f"{tuple(cache.shape)} do not fit together (an even rope width)")
+    query = torch.empty(rows, heads, rank + rope, dtype=q_lat.dtype, device=q_lat.device)
+    if rows == 0:
+        return query
+    if q.stride(-1) != 1 or q_lat.stride(-1) != 1 or ckv.stride(-1) != 1:
+        q, q_lat, ckv = q.contiguous(), q_lat.contiguous(), ckv.contiguous()
+    _mla_rope_cache_kernel[(rows,)](
+        q, q_lat, ckv, norm[0], cos_sin, positions, slots, cache, query,
+        q.stride(0), q.stride(1), q_lat.stride(0), q_lat.stride(1), ckv.stride(0),
+        cos_sin.stride(0), cache.stride(0), query.stride(0), query.stride(1), heads, norm[1],
+        NOPE=nope, RANK=rank, R_PAD=triton.next_power_of_2(rank), HALF=rope // 2,
+        HALF_PAD=triton.next_power_of_2(rope // 2), BLOCK_H=BLOCK_H, INTERLEAVE=interleave,
+        num_warps=4)
+    return query

@@ -253,18 +253,12 @@ class MLAttention(nn.Module):
                            ops.norm(self.q_a_layernorm, ops.linear(self.q_a_proj, x)))
         else:
             q = ops.linear(self.q_proj, x)
-        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        c, k_pe = ops.linear(self.kv_a_proj_with_mqa, x).split([self.kv_lora_rank,
-                                                               self.rope_dim], -1)
-        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
-        latent = torch.cat([ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)  # [T, r + p]
-        self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
+        q = q.view(t, self.num_heads, -1)
+        ckv = ops.linear(self.kv_a_proj_with_mqa, x)                       # [T, r + p]
         if meta.kv_slots is None:          # metadata built for the Triton kernels
-            out = self.attend_paged(q_nope, q_pe, meta)
-        elif meta.max_q <= ABSORB_MAX_ROWS:
-            out = self.attend_absorbed(q_nope, q_pe, meta)
+            out = self.attend_paged(q, ckv, positions, rotary, meta)
         else:
-            out = self.attend_expanded(q_nope, q_pe, meta)
+            out = self.attend_portable(q, ckv, positions, rotary, meta)
         return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
@@ -280,10 +274,25 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
+    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+        """q [T, h, n + p], ckv [T, r + p] (the projections) -> [T, h, v] through PyTorch:
+        rotary and the latents' write, then absorbed or expanded attention by row count."""
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
+        c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], -1)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([self.ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)
+        self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
+        if meta.max_q <= ABSORB_MAX_ROWS:
+            return self.attend_absorbed(q_nope, q_pe, meta)
+        return self.attend_expanded(q_nope, q_pe, meta)
+
+    def _latent_query(self, q_nope):
+        """q_nope_h W_UK_h [T, h, r]: the nope part of a query against the latents."""
+        return torch.einsum("thn,hnr->thr", q_nope, self._kv_b_heads()[0])
+
     def _absorbed_query(self, q_nope, q_pe):
         """[q_nope_h W_UK_h, q_pe_h] [T, h, r + p]: a query against the latents."""
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._kv_b_heads()[0])
-        return torch.cat([q_lat, q_pe], -1)
+        return torch.cat([self._latent_query(q_nope), q_pe], -1)
 
     def _values(self, latent_out):
         """Attention-weighted latents [T, h, r] -> per-head values [T, h, v] (W_UV)."""
@@ -299,13 +308,18 @@ class MLAttention(nn.Module):
                                              enable_gqa=True)         # [B, h, Qmax, r]
         return self._values(self._unpadded(out, meta))
 
-    def attend_paged(self, q_nope, q_pe, meta: AttentionMetadata):
-        """attend_absorbed through the Triton kernel, which walks the block tables itself
-        (every row count: prefill chunks attend in the absorbed form too)."""
-        from onespec.kernels.mla import mla_attention    # Triton: only on this backend
-        out = mla_attention(self._absorbed_query(q_nope, q_pe), self.latent_cache,
-                            meta.block_tables, meta.token_req, meta.positions,
-                            self.kv_lora_rank, self.scale, meta.block_size)
+    def attend_paged(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+        """attend_portable through the Triton kernels: one writes the latents and builds
+        the absorbed queries, one walks the block tables (every row count: prefill chunks
+        attend in the absorbed form too)."""
+        from onespec.kernels import mla    # Triton: only on this backend
+        norm = self.kv_a_layernorm
+        query = mla.mla_rope_and_cache(q, self._latent_query(q[..., :self.nope_dim]), ckv,
+                                       (norm.weight, norm.eps), rotary.cos_sin, positions,
+                                       meta.slot_mapping, self.latent_cache,
+                                       rotary.interleave)
+        out = mla.mla_attention(query, self.latent_cache, meta.block_tables, meta.token_req,
+                                positions, self.kv_lora_rank, self.scale, meta.block_size)
         return self._values(out)
 
     def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.kernels.launch import INTERPRETED
+from onespec.kernels.attention import _merge_one
+from onespec.kernels.launch import INTERPRETED, dot_t
 from onespec.kernels.rows import _rms_row
 
 BLOCK_H = 16          # heads a program takes (tl.dot's smallest tile)
@@ -36,14 +37,6 @@ SPLIT_ROWS = 32       # launches of up to this many rows split their keys
 SPLITS = 16
 # (BLOCK_N, warps, stages): 32 keys of a 576-wide latent are 36 KB in bfloat16
 TILING = (32, 8, 2)
-
-
-@triton.jit
-def _dot(a, b_t, IEEE: tl.constexpr):
-    """a [M, K] . b_t^T ([N, K]) in float32."""
-    if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
-        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision="ieee")
-    return tl.dot(a, tl.trans(b_t))
 
 
 @triton.jit
@@ -82,7 +75,7 @@ def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_
                       mask=n_ok[:, None] & r_ok[None, :], other=0.0)            # [N, R]
         k_p = tl.load(CACHE + slot[:, None] * stride_c + RANK + p[None, :],
                       mask=n_ok[:, None] & p_ok[None, :], other=0.0)            # [N, P]
-        s = _dot(q_r, k_r, IEEE) + _dot(q_p, k_p, IEEE)
+        s = dot_t(q_r, k_r, IEEE) + dot_t(q_p, k_p, IEEE)
         s = tl.where(n_ok[None, :], s * scale, float("-inf"))                   # [H, N]
         m_new = tl.maximum(m, tl.max(s, 1))       # finite: every tile has key t * BLOCK_N
         prob = tl.exp(s - m_new[:, None])
@@ -126,12 +119,7 @@ def _merge_kernel(POSITIONS, OUT, PART_O, PART_ML, stride_ot, stride_oh, num_hea
             m_s = tl.load(PART_ML + unit * 2 * BLOCK_H + g)
             l_s = tl.load(PART_ML + (unit * 2 + 1) * BLOCK_H + g)
             o_s = tl.load(PART_O + (unit * BLOCK_H + g[:, None]) * R_PAD + r[None, :])
-            m_new = tl.maximum(m_all, m_s)
-            a = tl.exp(m_all - m_new)
-            b = tl.exp(m_s - m_new)
-            l_all = l_all * a + l_s * b
-            o_all = o_all * a[:, None] + o_s * b[:, None]
-            m_all = m_new
+            m_all, l_all, o_all = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
     h = head_group * BLOCK_H + g
     out = OUT + row.to(tl.int64) * stride_ot + h[:, None] * stride_oh + r[None, :]
     tl.store(out, (o_all / l_all[:, None]).to(OUT.dtype.element_ty),

@@ -22,28 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.kernels.launch import INTERPRETED
+from onespec.kernels.launch import INTERPRETED, dot_t
 
 BLOCK_M = 16          # pairs a program multiplies at once (tl.dot's smallest tile)
 # (BLOCK_N, BLOCK_K, warps, stages): column tiles of 64 keep a DeepSeek-V2-Lite expert
 # (I = 1408) at 22 programs, so the six experts of a batch-1 step fill the SMs
 TILING = (64, 64, 4, 3)
-
-
-@triton.jit
-def _pair_tile(OFFSETS, e, m0, BLOCK_M: tl.constexpr):
-    """Pairs m0 .. m0 + BLOCK_M of expert e's sorted segment, and which are real."""
-    end = tl.load(OFFSETS + e + 1)
-    m = m0 + tl.arange(0, BLOCK_M)
-    return m, m < end
-
-
-@triton.jit
-def _dot(a, b_t, IEEE: tl.constexpr):
-    """a [M, K] . b_t^T ([N, K]) in float32."""
-    if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
-        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision="ieee")
-    return tl.dot(a, tl.trans(b_t))
 
 
 @triton.jit
@@ -58,7 +42,8 @@ def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, hidden, inter,
     end = tl.load(OFFSETS + e + 1)
     w_base = W + e.to(tl.int64) * stride_we
     for m0 in range(start, end, BLOCK_M):
-        m, m_ok = _pair_tile(OFFSETS, e, m0, BLOCK_M)
+        m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
+        m_ok = m < end
         token = tl.load(PAIR_TOKEN + m, mask=m_ok, other=0).to(tl.int64)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -71,8 +56,8 @@ def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, hidden, inter,
             w_g = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
             w_u = tl.load(w_base + (n + inter)[:, None] * stride_wn + k[None, :], mask=w_mask,
                           other=0.0)
-            acc_g += _dot(x, w_g, IEEE)
-            acc_u += _dot(x, w_u, IEEE)
+            acc_g += dot_t(x, w_g, IEEE)
+            acc_u += dot_t(x, w_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(H_OUT + m[:, None].to(tl.int64) * stride_ht + n[None, :],
                  h.to(H_OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -90,7 +75,8 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
     end = tl.load(OFFSETS + e + 1)
     w_base = W + e.to(tl.int64) * stride_we
     for m0 in range(start, end, BLOCK_M):
-        m, m_ok = _pair_tile(OFFSETS, e, m0, BLOCK_M)
+        m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
+        m_ok = m < end
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -99,7 +85,7 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += _dot(h, w, IEEE)
+            acc += dot_t(h, w, IEEE)
         weight = tl.load(PAIR_WEIGHT + m, mask=m_ok, other=0.0)
         slot = tl.load(PAIR_SLOT + m, mask=m_ok, other=0).to(tl.int64)
         tl.store(Y + slot[:, None] * stride_yt + n[None, :], acc * weight[:, None],

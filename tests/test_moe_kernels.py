@@ -87,9 +87,15 @@ def test_triton_backend_routes_and_runs_experts_as_the_portable_path(tokens):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_routing_rejects_shapes_outside_it():
+@pytest.mark.parametrize("experts,top_k,groups,kept", [
+    (12, 2, 1, 1),          # not a power of two
+    (8, 5, 4, 2),           # 5 experts asked of the 4 in the groups kept
+])
+def test_fused_routing_rejects_shapes_outside_it(experts, top_k, groups, kept):
     with pytest.raises(ValueError, match="outside the fused routing"):
-        route_and_sort(torch.zeros(2, 12, device=DEV), 2, sigmoid=False)     # 12 experts
+        route_and_sort(torch.zeros(2, experts, device=DEV), top_k, sigmoid=True,
+                       bias=torch.zeros(experts, device=DEV), num_groups=groups,
+                       topk_groups=kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

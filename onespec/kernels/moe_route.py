@@ -119,11 +119,16 @@ def _route_sort_kernel(LOGITS, BIAS, IDS, WEIGHTS, SLOTS, PAIR_TOKEN, PAIR_WEIGH
         tl.store(PAIR_WEIGHT + place, w, mask=t_ok)
 
 
-def fused_route_fits(num_tokens: int, num_experts: int, num_groups: int) -> bool:
-    """Whether route_and_sort takes these shapes (else: PyTorch routing, sort_pairs)."""
-    pow2 = lambda n: n & (n - 1) == 0     # noqa: E731
+def fused_route_fits(num_tokens: int, num_experts: int, top_k: int, num_groups: int = 1,
+                     topk_groups: int = 1) -> bool:
+    """Whether route_and_sort takes these shapes (else: PyTorch routing, sort_pairs): at
+    most MAX_TOKENS tokens, power-of-two expert and group counts, and top_k experts
+    within the groups kept."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0     # noqa: E731
     return (0 < num_tokens <= MAX_TOKENS and num_experts <= MAX_EXPERTS and pow2(num_experts)
-            and pow2(num_groups) and num_experts % num_groups == 0)
+            and pow2(num_groups) and num_experts % num_groups == 0
+            and 0 < topk_groups <= num_groups
+            and 0 < top_k <= topk_groups * (num_experts // num_groups))
 
 
 def route_and_sort(logits: torch.Tensor,            # [T, E] router logits
@@ -133,11 +138,14 @@ def route_and_sort(logits: torch.Tensor,            # [T, E] router logits
     """The routing of models/moe.py (deepseek_route if sigmoid, else softmax_route) and
     its pairs sorted by expert, in one launch (fused_route_fits must hold)."""
     num_tokens, num_experts = logits.shape
-    if not fused_route_fits(num_tokens, num_experts, num_groups) or \
-            not 0 < top_k <= num_experts or (sigmoid and bias is None):
+    groups, kept = (num_groups, topk_groups) if sigmoid else (1, 1)
+    if not fused_route_fits(num_tokens, num_experts, top_k, groups, kept) or \
+            (sigmoid and bias is None):
         raise ValueError(f"route_and_sort: logits {tuple(logits.shape)} with top_k={top_k}, "
-                         f"n_group={num_groups} are outside the fused routing (tokens <= "
-                         f"{MAX_TOKENS}, experts a power of two <= {MAX_EXPERTS})")
+                         f"n_group={num_groups}, topk_group={topk_groups} are outside the "
+                         f"fused routing (tokens <= {MAX_TOKENS}, experts a power of two <= "
+                         f"{MAX_EXPERTS}, top_k within the groups kept; a sigmoid router "
+                         "needs its bias)")
     dev, pairs = logits.device, num_tokens * top_k
     ints = lambda n: torch.empty(n, dtype=torch.int32, device=dev)    # noqa: E731
     r = Routing(ids=ints(pairs).view(num_tokens, top_k),
@@ -150,7 +158,6 @@ def route_and_sort(logits: torch.Tensor,            # [T, E] router logits
         logits, logits if bias is None else bias, r.ids, r.weights, r.slots, r.pair_token,
         r.pair_weight, r.offsets, num_tokens, logits.stride(0), float(scaling),
         T_PAD=max(16, triton.next_power_of_2(num_tokens)), E=num_experts, TOP_K=top_k,
-        SIGMOID=sigmoid, GROUPS=num_groups if sigmoid else 1,
-        TOPK_GROUPS=topk_groups if sigmoid else 1, NORM=norm_topk_prob,
+        SIGMOID=sigmoid, GROUPS=groups, TOPK_GROUPS=kept, NORM=norm_topk_prob,
         num_warps=4 if num_tokens * num_experts <= 4096 else 8)
     return r

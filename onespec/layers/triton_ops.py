@@ -127,7 +127,8 @@ class TritonOps(TorchOps):
     def routed_experts(self, experts, x, logits, router, bias=None):
         if not self.rows(x):
             return super().routed_experts(experts, x, logits, router, bias)
-        if fused_route_fits(x.shape[0], experts.num_experts, router.num_groups):
+        groups = (router.num_groups, router.topk_groups) if router.sigmoid else (1, 1)
+        if fused_route_fits(x.shape[0], experts.num_experts, router.top_k, *groups):
             routing = route_and_sort(logits, router.top_k, sigmoid=router.sigmoid, bias=bias,
                                      num_groups=router.num_groups,
                                      topk_groups=router.topk_groups,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_pool_full, hf_greedy
-from moe_utils import DEEPSEEK_VARIANTS, add_mtp_layers, make_deepseek_model, \
-    make_qwen3_moe_model
+from moe_utils import (DEEPSEEK_VARIANTS, add_mtp_layers, make_deepseek_model,
+                       make_qwen3_moe_model)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

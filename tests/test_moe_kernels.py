@@ -245,16 +245,19 @@ def backend_forwards(path, backend: str, chunks, tables, ids):
 @pytest.mark.parametrize("family", ["deepseek-v3", "qwen3-moe"])
 @torch.inference_mode()
 def test_moe_target_on_triton_matches_portable_path(tmp_path, family):
-    """Whole forwards with the Triton backend (absorbed MLA over the paged latents or the
-    Triton paged attention, grouped experts, GEMV dense and shared experts) equal the
-    portable path: a 40-row prefill chunk, a 20-row chunk, a 4-row verify and one decode
-    row, each over the cache the chunks before wrote."""
-    make = make_deepseek_model if family == "deepseek-v3" else make_qwen3_moe_model
-    make(tmp_path)
+    """Whole forwards with the Triton backend (fused MLA rotary + latent write and absorbed
+    MLA over the paged latents, or the Triton paged attention; fused routing, grouped
+    experts, GEMV dense and shared experts) equal the portable path: a 34-row prefill chunk
+    (cuBLAS linears, unsplit MLA), a 4-row verify and one decode row (GEMVs, split MLA),
+    each over the cache the chunks before wrote."""
+    if family == "deepseek-v3":
+        make_deepseek_model(tmp_path, num_layers=2)          # a dense layer, then MoE
+    else:
+        make_qwen3_moe_model(tmp_path, num_hidden_layers=2, mlp_only_layers=[1])
     torch.manual_seed(0)
-    ids = torch.randint(3, 128, (45,), device=DEV)
+    ids = torch.randint(3, 128, (39,), device=DEV)
     tables = torch.tensor([[2, 0, 3, 1, 6, 4, 7, 5, 8]], device=DEV)
-    chunks = ((0, 40), (40, 44), (44, 45))
+    chunks = ((0, 34), (34, 38), (38, 39))
     got = backend_forwards(tmp_path, "triton", chunks, tables, ids)
     ref = backend_forwards(tmp_path, "torch", chunks, tables, ids)
     for a, b in zip(got, ref):

@@ -11,8 +11,9 @@ Experts are stacked as Hugging Face 5.x stores them: gate_up_proj [E, 2I, H] (ga
 first) and down_proj [E, H, I]; models/loader.py maps per-expert checkpoint keys
 (`experts.{e}.gate_proj.weight`, ...) onto them. Few (token, expert) pairs gather their
 experts' weights (no host sync, only the routed experts are read); more loop over the
-experts the batch routes to (the portable path). The Triton backend runs every pass as a
-grouped GEMM instead (kernels/moe.py: no host sync, fixed shapes, graph-capturable).
+experts the batch routes to (the portable path). The Triton backend routes decode-sized
+batches in one kernel (kernels/moe_route.py) and runs every pass as a grouped GEMM over
+the routed pairs (kernels/moe.py): no host sync, fixed shapes, graph-capturable.
 """
 from __future__ import annotations
 

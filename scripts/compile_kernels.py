@@ -158,6 +158,56 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            {**base, "BLOCK_N": 64, "SPLITS": ta.SPLITS, "IEEE": True}, (4, 2))
 
 
+def moe_cases():
+    """The MoE targets' kernels (no PDL: PyTorch operations run before each of them), in
+    the DeepSeek-V2-Lite shape: 576-wide latents (512 + 64 rope), experts of H = 2048,
+    I = 1408."""
+    from onespec.kernels import mla
+    from onespec.kernels import moe
+    from onespec.kernels import moe_route
+    block_n, warps, stages = mla.TILING
+    latent = {"RANK": 512, "ROPE": 64, "R_PAD": 512, "P_PAD": 64, "BLOCK_H": mla.BLOCK_H,
+              "BLOCK_SIZE": 16, "BLOCK_N": block_n, "IEEE": False}
+    types = {"Q": "*bf16", "CACHE": "*bf16", "OUT": "*bf16", "BLOCK_TABLES": "*i64",
+             "TOKEN_REQ": "*i64", "POSITIONS": "*i64", "PART_O": "*fp32", "PART_ML": "*fp32",
+             "scale": "fp32"}
+    yield ("mla bf16 decode (split keys)", mla._mla_kernel, types,
+           {**latent, "SPLITS": mla.SPLITS}, (warps, stages))
+    yield ("mla bf16 verify / prefill (no split)", mla._mla_kernel, types,
+           {**latent, "SPLITS": 1}, (warps, stages))
+    yield ("mla split merge", mla._merge_kernel, types,
+           {k: latent[k] for k in ("RANK", "R_PAD", "BLOCK_H", "BLOCK_N")} |
+           {"SPLITS": mla.SPLITS}, (4, 1))
+    yield ("mla rotary + latent write + absorbed query", mla._mla_rope_cache_kernel,
+           {"Q": "*bf16", "Q_LAT": "*bf16", "CKV": "*bf16", "NORM_W": "*bf16",
+            "COS_SIN": "*fp32", "POSITIONS": "*i64", "SLOTS": "*i64", "CACHE": "*bf16",
+            "QUERY": "*bf16", "eps": "fp32"},
+           {"NOPE": 128, "RANK": 512, "R_PAD": 512, "HALF": 32, "HALF_PAD": 32,
+            "BLOCK_H": mla.BLOCK_H, "INTERLEAVE": True}, (4, 1))
+    bn, bk, warps, stages = moe.TILING
+    tiles = {"BLOCK_M": moe.BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk, "IEEE": False}
+    yield ("moe gate_up + silu (grouped)", moe._gate_up_kernel,
+           {"X": "*bf16", "W": "*bf16", "PAIR_TOKEN": "*i32", "OFFSETS": "*i32",
+            "H_OUT": "*bf16"}, tiles, (warps, stages))
+    yield ("moe down, weighted (grouped)", moe._down_kernel,
+           {"H": "*bf16", "W": "*bf16", "PAIR_SLOT": "*i32", "PAIR_WEIGHT": "*fp32",
+            "OFFSETS": "*i32", "Y": "*fp32"}, tiles, (warps, stages))
+    route_types = {"LOGITS": "*fp32", "BIAS": "*fp32", "IDS": "*i32", "WEIGHTS": "*fp32",
+                   "SLOTS": "*i32", "PAIR_TOKEN": "*i32", "PAIR_WEIGHT": "*fp32",
+                   "OFFSETS": "*i32", "scaling": "fp32"}
+    route = {"T_PAD": 32, "E": 64, "TOP_K": 6, "SIGMOID": True, "GROUPS": 1,
+             "TOPK_GROUPS": 1, "NORM": True}
+    yield ("moe routing + pair sort (DeepSeek-V2-Lite, batch 8 verify)",
+           moe_route._route_sort_kernel, route_types, route, (4, 1))
+    yield ("moe routing + pair sort (DeepSeek-V3: 256 experts, 8 groups)",
+           moe_route._route_sort_kernel, route_types,
+           {**route, "E": 256, "TOP_K": 8, "GROUPS": 8, "TOPK_GROUPS": 4, "T_PAD": 64},
+           (4, 1))
+    yield ("moe routing + pair sort (Qwen3-MoE softmax, bf16 logits)",
+           moe_route._route_sort_kernel, {**route_types, "LOGITS": "*bf16"},
+           {**route, "E": 128, "TOP_K": 8, "SIGMOID": False}, (4, 1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
@@ -169,7 +219,8 @@ def main():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("run without TRITON_INTERPRET=1")
     ok = True
-    for name, fn, types, constexprs, (warps, stages) in cases(args.arch, extra):
+    for name, fn, types, constexprs, (warps, stages) in [*cases(args.arch, extra),
+                                                         *moe_cases()]:
         row = {"kernel": name, "arch": args.arch}
         try:
             row.update(compile_one(fn, types, constexprs, args.arch, warps, stages))

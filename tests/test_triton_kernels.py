@@ -593,10 +593,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 23
+    assert len(rows) == 32
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
-        assert row["pdl_instructions"] == 2, row          # gdc_wait + launch_dependents
+        # gdc_wait + launch_dependents (the MoE targets' kernels follow PyTorch operations)
+        no_pdl = row["kernel"].startswith(("mla", "moe"))
+        assert row["pdl_instructions"] == (0 if no_pdl else 2), row
     by_name = {row["kernel"]: row for row in rows}
     # attention with known rows per request reads its inputs and older keys before the wait
     assert by_name["attention bf16 decode (split keys, 1 row per request)"][

@@ -55,3 +55,12 @@ def pdl_launch(pdl: bool) -> dict:
 def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along its last dimension (rows may keep any stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def dot_t(a, b, IEEE: tl.constexpr):
+    """a [M, K] . b^T ([N, K]) in float32: IEEE float32 products for float32 inputs or in
+    Triton's interpreter (whose bf16 dot is wrong), else the tensor cores'."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))

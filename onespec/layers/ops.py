@@ -10,6 +10,7 @@ reference) or `TritonOps` (layers/triton_ops.py: the fused Triton kernels on CUD
     add_full_norm(...)                     the same with norm(h) complete
     attention(attn, x, positions, ...)     qkv, rotary, KV write, paged attention [T, Hq D]
     embed_concat(ids, table, hidden, ...)  concat(norm_e(embedding), norm_h(hidden))
+    routed_experts(experts, x, logits, r)  sum_j w[:, j] * expert_{ids[:, j]}(x), routed (MoE)
     logits(layer, x, norm) / greedy(...)   float32 logits / their argmax per row
 
 A layer calls these in its one forward; which kernels run is the backend's choice.
@@ -100,6 +101,12 @@ class TorchOps:
         self.norm(embed_norm, embeds, out=a[:, :h])
         self.norm(hidden_norm, hidden, out=a[:, h:])
         return a
+
+    def routed_experts(self, experts, x, logits: torch.Tensor, router, bias=None):
+        """experts (models/moe.py Experts) applied to x [T, H] as `router` (models/moe.py
+        Router) routes the logits [T, E] -> [T, H]."""
+        weights, ids = router.route(logits, bias)
+        return experts.portable(x, ids, weights)
 
     def logits(self, layer: nn.Linear, x, norm: RMSNorm | None = None) -> torch.Tensor:
         """layer(norm(x)) in float32 [N, V]."""

@@ -6,6 +6,9 @@
   rotated heads and the KV cache itself where it can (kernels/rope_kv.py);
 - more rows: the linears through cuBLAS, with the RMSNorms, residual add + RMSNorm and
   SiLU * up as Triton row kernels (kernels/rows.py);
+- routed experts (MoE targets): routing and the sort of the (token, expert) pairs in one
+  program at decode sizes (kernels/moe_route.py), then a grouped GEMM over the pairs
+  (kernels/moe.py);
 - under autograd: the PyTorch path (TorchOps).
 Attention reads the block pool directly (kernels/attention.py) when the metadata was
 built for it. Each kernel runs with programmatic dependent launch where the GPU has it
@@ -19,6 +22,8 @@ from torch import nn
 from onespec.kernels import attention as attention_kernels
 from onespec.kernels.gemv import Prenormed, gemv, gemv_argmax, gemv_prenorm
 from onespec.kernels.launch import pdl_supported
+from onespec.kernels.moe import grouped_experts, sort_pairs
+from onespec.kernels.moe_route import fused_route_fits, route_and_sort
 from onespec.kernels.rope_kv import qkv_rope_and_cache, qkv_rope_fusable, rope_and_cache
 from onespec.kernels.rows import add_rms_norm, embed_norm_concat, rms_norm, silu_mul
 from onespec.kernels.settings import MAX_ROWS, KernelSettings
@@ -118,6 +123,20 @@ class TritonOps(TorchOps):
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device))
+
+    def routed_experts(self, experts, x, logits, router, bias=None):
+        if not self.rows(x):
+            return super().routed_experts(experts, x, logits, router, bias)
+        groups = (router.num_groups, router.topk_groups) if router.sigmoid else (1, 1)
+        if fused_route_fits(x.shape[0], experts.num_experts, router.top_k, *groups):
+            routing = route_and_sort(logits, router.top_k, sigmoid=router.sigmoid, bias=bias,
+                                     num_groups=router.num_groups,
+                                     topk_groups=router.topk_groups,
+                                     norm_topk_prob=router.norm_topk_prob,
+                                     scaling=router.scaling)
+        else:
+            routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
+        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):

@@ -13,7 +13,8 @@ the absorbed form, W_UK and W_UV being kv_b's per-head key and value rows:
 
     score_h(j) = scale * ([q_nope_h W_UK_h, q_pe_h] . latent(j));  out_h = (sum_j a_j c(j)) W_UV_h^T
 
-Longer prefill chunks expand the cached latents through kv_b and attend as usual. RoPE may
+Longer prefill chunks expand the cached latents through kv_b and attend as usual; with the
+Triton backend every row attends in the absorbed form, in kernels/mla.py. RoPE may
 be interleaved (pairs (x0, x1), (x2, x3), ...) and YaRN-scaled; YaRN's mscale_all_dim
 multiplies the softmax scale by mscale^2.
 """
@@ -32,7 +33,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP
-from onespec.models.moe import Experts, Float32Router, PagedCausalLM, deepseek_route
+from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -205,8 +206,9 @@ def softmax_scale(cfg: DeepseekV3Config) -> float:
 
 # ---- attention -------------------------------------------------------------------------
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config):
+    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads, self.kv_lora_rank = heads, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -241,20 +243,23 @@ class MLAttention(nn.Module):
         self.latent_cache = torch.zeros(num_slots, self.kv_lora_rank + self.rope_dim,
                                         dtype=self.o_proj.weight.dtype, device=device)
 
-    def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata):
-        """x [T, H] (normed) -> o_proj(attention) [T, H]; writes this step's latents."""
-        t = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe.squeeze(1)], -1)       # [T, r + p]
-        self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
-        if meta.max_q <= ABSORB_MAX_ROWS:
-            out = self.attend_absorbed(q_nope, q_pe, meta)
+    def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None):
+        """x [T, H] (normed) -> (residual +) o_proj(attention) [T, H]; writes this step's
+        latents."""
+        t, ops = x.shape[0], self.ops
+        if self.q_lora:
+            q = ops.linear(self.q_b_proj,
+                           ops.norm(self.q_a_layernorm, ops.linear(self.q_a_proj, x)))
         else:
-            out = self.attend_expanded(q_nope, q_pe, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+            q = ops.linear(self.q_proj, x)
+        q = q.view(t, self.num_heads, -1)
+        ckv = ops.linear(self.kv_a_proj_with_mqa, x)                       # [T, r + p]
+        if meta.kv_slots is None:          # metadata built for the Triton kernels
+            out = self.attend_paged(q, ckv, positions, rotary, meta)
+        else:
+            out = self.attend_portable(q, ckv, positions, rotary, meta)
+        return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
         """rows [T, heads, D] -> [B, heads, Qmax, D] by request (zeros in padding rows)."""
@@ -269,17 +274,53 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
+    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+        """q [T, h, n + p], ckv [T, r + p] (the projections) -> [T, h, v] through PyTorch:
+        rotary and the latents' write, then absorbed or expanded attention by row count."""
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
+        c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], -1)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([self.ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)
+        self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
+        if meta.max_q <= ABSORB_MAX_ROWS:
+            return self.attend_absorbed(q_nope, q_pe, meta)
+        return self.attend_expanded(q_nope, q_pe, meta)
+
+    def _latent_query(self, q_nope):
+        """q_nope_h W_UK_h [T, h, r]: the nope part of a query against the latents."""
+        return torch.einsum("thn,hnr->thr", q_nope, self._kv_b_heads()[0])
+
+    def _absorbed_query(self, q_nope, q_pe):
+        """[q_nope_h W_UK_h, q_pe_h] [T, h, r + p]: a query against the latents."""
+        return torch.cat([self._latent_query(q_nope), q_pe], -1)
+
+    def _values(self, latent_out):
+        """Attention-weighted latents [T, h, r] -> per-head values [T, h, v] (W_UV)."""
+        return torch.einsum("thr,hvr->thv", latent_out, self._kv_b_heads()[1])
+
     def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata):
         """q_nope [T, h, n], q_pe [T, h, p] -> [T, h, v], attending to the latents as one
         shared key/value head of width r + p (values: the first r)."""
-        w_uk, w_uv = self._kv_b_heads()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = self._padded(torch.cat([q_lat, q_pe], -1), meta)     # [B, h, Qmax, r + p]
+        query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
         latents = self.latent_cache[meta.kv_slots].unsqueeze(1)      # [B, 1, KV, r + p]
         out = F.scaled_dot_product_attention(query, latents, latents[..., :self.kv_lora_rank],
                                              attn_mask=meta.mask, scale=self.scale,
                                              enable_gqa=True)         # [B, h, Qmax, r]
-        return torch.einsum("thr,hvr->thv", self._unpadded(out, meta), w_uv)
+        return self._values(self._unpadded(out, meta))
+
+    def attend_paged(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+        """attend_portable through the Triton kernels: one writes the latents and builds
+        the absorbed queries, one walks the block tables (every row count: prefill chunks
+        attend in the absorbed form too)."""
+        from onespec.kernels import mla    # Triton: only on this backend
+        norm = self.kv_a_layernorm
+        query = mla.mla_rope_and_cache(q, self._latent_query(q[..., :self.nope_dim]), ckv,
+                                       (norm.weight, norm.eps), rotary.cos_sin, positions,
+                                       meta.slot_mapping, self.latent_cache,
+                                       rotary.interleave)
+        out = mla.mla_attention(query, self.latent_cache, meta.block_tables, meta.token_req,
+                                positions, self.kv_lora_rank, self.scale, meta.block_size)
+        return self._values(out)
 
     def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):
         """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
@@ -305,46 +346,46 @@ class DeepseekRouter(Float32Router):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config):
+    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
-        self.cfg = cfg
+        self.router = Router(cfg.num_experts_per_tok, sigmoid=True,
+                             norm_topk_prob=cfg.norm_topk_prob, num_groups=cfg.n_group,
+                             topk_groups=cfg.topk_group, scaling=cfg.routed_scaling_factor)
         self.gate = DeepseekRouter(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               ops)
         self.shared_experts = MLP(cfg.hidden_size,
-                                  cfg.moe_intermediate_size * cfg.n_shared_experts) \
-            if cfg.n_shared_experts else None
+                                  cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  ops=ops) if cfg.n_shared_experts else None
 
     def forward(self, x):
         """x [T, H] -> routed experts + shared experts [T, H]."""
-        c = self.cfg
         logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
-        weights, ids = deepseek_route(logits, self.gate.e_score_correction_bias.float(),
-                                      c.num_experts_per_tok, c.n_group, c.topk_group,
-                                      c.norm_topk_prob, c.routed_scaling_factor)
-        out = self.experts(x, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias)
+        return out if self.shared_experts is None else self.shared_experts(x, out)[0]
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = DeepseekMoE(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
+        self.ops = ops
 
     def forward(self, h, positions, rotary, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.ops.norm
+        h = self.self_attn(norm(self.input_layernorm, h), positions, rotary, meta, residual=h)
+        return h + self.mlp(norm(self.post_attention_layernorm, h))
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):
     config_class = DeepseekV3Config
 
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
-        # ops: always the portable path here (supports_triton False)
-        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i))
+        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i, ops), ops)
 
     def setup_rotary(self, max_positions: int, device):
         self.rotary = self.make_rotary(max_positions, device)
@@ -356,7 +397,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
 
     def make_decoder_layer(self, layer_idx: int) -> DeepseekDecoderLayer:
         """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
-        return DeepseekDecoderLayer(self.config, layer_idx)
+        return DeepseekDecoderLayer(self.config, layer_idx, self.ops)
 
     def checkpoint_rename(self, name: str) -> str | None:
         m = re.match(r"model\.layers\.(\d+)\.", name)

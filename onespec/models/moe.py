@@ -11,10 +11,13 @@ Experts are stacked as Hugging Face 5.x stores them: gate_up_proj [E, 2I, H] (ga
 first) and down_proj [E, H, I]; models/loader.py maps per-expert checkpoint keys
 (`experts.{e}.gate_proj.weight`, ...) onto them. Few (token, expert) pairs gather their
 experts' weights (no host sync, only the routed experts are read); more loop over the
-experts the batch routes to (the portable path).
+experts the batch routes to (the portable path). The Triton backend routes decode-sized
+batches in one kernel (kernels/moe_route.py) and runs every pass as a grouped GEMM over
+the routed pairs (kernels/moe.py): no host sync, fixed shapes, graph-capturable.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,6 +26,7 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
+from onespec.layers.ops import TORCH_OPS, TorchOps
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
 
@@ -39,7 +43,8 @@ def deepseek_route(logits: torch.Tensor,        # [T, E] float32 router logits
                                                            dim=-1).values.sum(-1)  # [T, G]
     groups = group_scores.topk(topk_groups, dim=-1).indices                        # [T, g]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    expert_mask = group_mask.repeat_interleave(experts // num_groups, dim=1)       # [T, E]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // num_groups) \
+        .reshape(tokens, experts)                                                  # [T, E]
     ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
@@ -57,16 +62,44 @@ def softmax_route(logits: torch.Tensor,         # [T, E] router logits
     return weights.to(logits.dtype), ids
 
 
+@dataclass(frozen=True)
+class Router:
+    """How a family turns router logits into (weights, expert ids): sigmoid = DeepSeek-V3
+    (deepseek_route, with the gate's score-correction bias), else Qwen3-MoE's softmax.
+    `route` is the PyTorch path; the Triton backend may fuse it (kernels/moe_route.py)."""
+    top_k: int
+    sigmoid: bool
+    norm_topk_prob: bool
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sigmoid:
+            return deepseek_route(logits, bias.float(), self.top_k, self.num_groups,
+                                  self.topk_groups, self.norm_topk_prob, self.scaling)
+        return softmax_route(logits, self.top_k, self.norm_topk_prob)
+
+
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.ops = ops
 
-    def forward(self, x, ids, weights):
-        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
+    def forward(self, x, logits, router: Router, bias: torch.Tensor | None = None):
+        """x [T, H], router logits [T, E] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)
+        [T, H], (weights, ids) being router.route(logits, bias)."""
+        return self.ops.routed_experts(self, x, logits, router, bias)
+
+    def portable(self, x, ids, weights):
+        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x),
+        through PyTorch operations (any device, autograd)."""
         if ids.numel() <= GATHER_MAX_PAIRS:
             return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
@@ -111,14 +144,17 @@ class PagedCausalLM(nn.Module):
     """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
     capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
     over self.model (a DecoderStack of make_layer(i) layers) and self.lm_head. Subclasses
-    give the layers and the rotary table (setup_rotary). The portable path only: no Triton
-    kernels."""
+    give the layers (built with the backend `ops`) and the rotary table (setup_rotary).
+    Under the Triton backend the step is graph-capturable: attention and experts run
+    kernels that read their metadata on the device, the rest is PyTorch without host
+    syncs."""
 
-    supports_triton = False
+    supports_triton = True
 
-    def __init__(self, cfg, make_layer: Callable[[int], nn.Module]):
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module], ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.config = cfg
+        self.ops = ops
         self.rotary = None
         self.model = DecoderStack(cfg, make_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -137,10 +173,12 @@ class PagedCausalLM(nn.Module):
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden).float()                                 # [N, V]
+        return self.ops.logits(self.lm_head, hidden)                        # [N, V] float32
 
     def greedy_tokens(self, hidden):
-        return self.compute_logits(hidden).argmax(-1)                       # [N]
+        """compute_logits(hidden).argmax(-1), without writing the logits where the backend
+        can (the Triton backend's argmax inside the lm_head GEMV)."""
+        return self.ops.greedy(self.lm_head, hidden)                        # [N]
 
     def checkpoint_rename(self, name: str) -> str | None:
         """Checkpoint key -> parameter name (None: skip it)."""

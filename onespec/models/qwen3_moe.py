@@ -14,7 +14,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import Experts, PagedCausalLM, softmax_route
+from onespec.models.moe import Experts, PagedCausalLM, Router
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -52,27 +52,27 @@ class Qwen3MoeConfig(DecoderConfig):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
+    def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
+                             norm_topk_prob=cfg.norm_topk_prob)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               ops)
 
     def forward(self, x):
         """x [T, H] -> [T, H]."""
-        weights, ids = softmax_route(F.linear(x, self.gate.weight), self.top_k,
-                                     self.norm_topk_prob)
-        return self.experts(x, ids, weights)
+        return self.experts(x, F.linear(x, self.gate.weight), self.router)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, ops=ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = SparseMoeBlock(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
 
     def forward(self, h, positions, rotary, meta):
         attn = self.self_attn
@@ -84,8 +84,7 @@ class Qwen3MoeForCausalLM(PagedCausalLM):
     config_class = Qwen3MoeConfig
 
     def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
-        # ops: always the portable path here (supports_triton False)
-        super().__init__(cfg, lambda i: Qwen3MoeDecoderLayer(cfg, i))
+        super().__init__(cfg, lambda i: Qwen3MoeDecoderLayer(cfg, i, ops), ops)
 
     def setup_rotary(self, max_positions: int, device):
         c = self.config

@@ -44,13 +44,17 @@ class MTPDrafter:
         return layer(embed(input_ids).to(self.dtype), hidden, positions, self.head.rotary,
                      meta)                                                  # [T, H]
 
-    def compute_logits(self, hidden):
+    def _head(self) -> torch.nn.Linear:
         head = self._layer.shared_head.head
-        head = self.target.lm_head if head is None else head
-        return head(hidden.to(head.weight.dtype)).float()                   # [N, V]
+        return self.target.lm_head if head is None else head
+
+    def compute_logits(self, hidden):
+        head = self._head()
+        return self.target.ops.logits(head, hidden.to(head.weight.dtype))   # [N, V]
 
     def greedy_target_ids(self, hidden):
-        return self.compute_logits(hidden).argmax(-1)                       # [N]
+        head = self._head()
+        return self.target.ops.greedy(head, hidden.to(head.weight.dtype))   # [N]
 
     def to_target_ids(self, draft_ids):
         return draft_ids

@@ -1,0 +1,151 @@
+"""Routed experts on CUDA in Triton: a grouped GEMM over the (token, expert) pairs a step
+routes, reading only the experts some pair chose, with no host sync and fixed shapes (so
+a step with MoE layers can be captured in a CUDA graph).
+
+The T x top_k pairs are sorted by expert on the device; OFFSETS[e] .. OFFSETS[e + 1] are
+expert e's pairs in that order. Two kernels then run one program per (expert, column
+tile); a program whose expert has no pair leaves before reading anything:
+
+    gate_up   h[pair]   = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T)     [P, I]
+    down      y[pair]   = weight[pair] * h[pair] W_down[e]^T                    [P, H]
+
+A program walks its expert's pairs in tiles of BLOCK_M, so an expert's weight tile is
+read once per BLOCK_M pairs (once per step at decode batch sizes). y is written at each
+pair's place in the unsorted [T, top_k] order and summed over top_k in float32, in the
+same order for every token: a token's result never depends on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from onespec.kernels.launch import INTERPRETED, dot_t
+
+BLOCK_M = 16          # pairs a program multiplies at once (tl.dot's smallest tile)
+# (BLOCK_N, BLOCK_K, warps, stages): column tiles of 64 keep a DeepSeek-V2-Lite expert
+# (I = 1408) at 22 programs, so the six experts of a batch-1 step fill the SMs
+TILING = (64, 64, 4, 3)
+
+
+@triton.jit
+def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, hidden, inter,
+                    stride_xt, stride_we, stride_wn, stride_ht,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    start = tl.load(OFFSETS + e)
+    end = tl.load(OFFSETS + e + 1)
+    w_base = W + e.to(tl.int64) * stride_we
+    for m0 in range(start, end, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
+        m_ok = m < end
+        token = tl.load(PAIR_TOKEN + m, mask=m_ok, other=0).to(tl.int64)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            x = tl.load(X + token[:, None] * stride_xt + k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_g = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
+            w_u = tl.load(w_base + (n + inter)[:, None] * stride_wn + k[None, :], mask=w_mask,
+                          other=0.0)
+            acc_g += dot_t(x, w_g, IEEE)
+            acc_u += dot_t(x, w_u, IEEE)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(H_OUT + m[:, None].to(tl.int64) * stride_ht + n[None, :],
+                 h.to(H_OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
+                 stride_ht, stride_we, stride_wn, stride_yt,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    start = tl.load(OFFSETS + e)
+    end = tl.load(OFFSETS + e + 1)
+    w_base = W + e.to(tl.int64) * stride_we
+    for m0 in range(start, end, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
+        m_ok = m < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            h = tl.load(H + m[:, None].to(tl.int64) * stride_ht + k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + n[:, None] * stride_wn + k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += dot_t(h, w, IEEE)
+        weight = tl.load(PAIR_WEIGHT + m, mask=m_ok, other=0.0)
+        slot = tl.load(PAIR_SLOT + m, mask=m_ok, other=0).to(tl.int64)
+        tl.store(Y + slot[:, None] * stride_yt + n[None, :], acc * weight[:, None],
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass
+class Routing:
+    """A step's routed pairs (pair p = token * k + j is the token's j-th choice), sorted
+    by expert: place i holds pair slots[i] of token pair_token[i] with weight
+    pair_weight[i]; expert e's places are offsets[e] .. offsets[e + 1]."""
+    ids: torch.Tensor            # [T, k] expert of each pair
+    weights: torch.Tensor        # [T, k] routing weight of each pair
+    slots: torch.Tensor          # [P] int32
+    pair_token: torch.Tensor     # [P] int32
+    pair_weight: torch.Tensor    # [P] float32
+    offsets: torch.Tensor        # [E + 1] int32
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
+    """ids / weights [T, k] sorted by expert on the device, in shapes fixed by T and k (a
+    stable sort: ties keep token order), through PyTorch (any number of tokens)."""
+    flat = ids.reshape(-1)
+    experts, slots = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=experts.dtype)
+    return Routing(ids, weights, slots.to(torch.int32),
+                   (slots // ids.shape[1]).to(torch.int32),
+                   weights.reshape(-1).float()[slots],
+                   torch.searchsorted(experts, bounds).to(torch.int32))
+
+
+def grouped_experts(x: torch.Tensor,            # [T, H]
+                    gate_up: torch.Tensor,      # [E, 2I, H] (gate rows first)
+                    down: torch.Tensor,         # [E, H, I]
+                    routing: Routing) -> torch.Tensor:     # [T, H] in x's dtype
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
+    down(silu(gate(x)) * up(x)); only the routed experts' weights are read."""
+    num_tokens, top_k = routing.ids.shape
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, inter) or \
+            routing.offsets.shape[0] != num_experts + 1:
+        raise ValueError(f"grouped_experts: x {tuple(x.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)} and ids "
+                         f"{tuple(routing.ids.shape)} of {routing.offsets.shape[0] - 1} "
+                         "experts do not fit together")
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    pairs = num_tokens * top_k
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    block_n, block_k, warps, stages = TILING
+    ieee = x.dtype == torch.float32 or INTERPRETED
+    _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
+        x, gate_up, routing.pair_token, routing.offsets, h, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        num_warps=warps, num_stages=stages)
+    _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
+        h, down, routing.slots, routing.pair_weight, routing.offsets, y, hidden, inter,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        num_warps=warps, num_stages=stages)
+    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

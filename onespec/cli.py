@@ -84,6 +84,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target over N GPUs (N CPU processes on the CPU)")
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args):
@@ -135,7 +137,8 @@ def build_llm(args):
         MTPConfig(num_nextn_predict_layers=args.mtp) if args.mtp else None
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
-               max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks)
+               max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 # ---- generate ------------------------------------------------------------------------------

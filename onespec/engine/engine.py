@@ -7,6 +7,9 @@ import logging
 import torch
 
 from onespec.config import Eagle3Config, EngineConfig, MTPConfig
+from onespec.distributed import TensorParallel, WorkerFailure
+from onespec.distributed.layers import TensorParallelOps
+from onespec.distributed.workers import DriverWorker, start_workers
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
                                      slots_per_step)
@@ -46,9 +49,22 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, speculative_config: Eagle3Config | None = None):
+    def __init__(self, config: EngineConfig, speculative_config: Eagle3Config | None = None,
+                 parallel: TensorParallel | None = None):
+        """parallel: this rank's group when the engine is a tensor-parallel worker (rank
+        > 0); with tensor_parallel_size > 1 and none given, this engine is the driver
+        (rank 0) and starts the other ranks (distributed/workers.py)."""
         self.config, self.spec_config = config, speculative_config
-        self.device = resolve_device(config.device)
+        self.workers = start_workers(config, speculative_config) if parallel is None else None
+        self.parallel = self.workers.group if self.workers else parallel
+        try:
+            self._build(config, speculative_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, speculative_config):
+        self.device = self.parallel.device if self.parallel else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         dummy = config.load_format == "dummy"
         backend = self._attention_backend()
@@ -56,8 +72,10 @@ class Engine:
         # is built with
         self.kernel_settings = KernelSettings(triton=backend == "triton",
                                               pdl=config.programmatic_launch)
-        self.ops = make_ops(self.kernel_settings)
-        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops)
+        self.ops = make_ops(self.kernel_settings) if self.parallel is None else \
+            TensorParallelOps()
+        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops,
+                                 self.parallel)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
@@ -100,7 +118,8 @@ class Engine:
                                      config.max_batch_size, self.device, mcfg.sliding_window)
         # structured outputs: xgrammar is imported when the first constrained request comes
         self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
-        self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
+        self.runner = ModelRunner(DriverWorker(worker, self.workers) if self.workers else worker,
+                                  config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs, self.grammars)
         if graphs is not None:
             graphs.capture(k)
@@ -111,6 +130,13 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
+        if self.workers:
+            self.workers.wait_ready()
+
+    def close(self):
+        """Stops the tensor-parallel workers (nothing to do on one rank); idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
@@ -149,6 +175,8 @@ class Engine:
             else:
                 budget = CPU_KV_BUDGET_BYTES
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
+            if self.parallel:       # every rank holds the same blocks
+                num = self.parallel.min_int(num)
         if num < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
                              f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
@@ -160,8 +188,12 @@ class Engine:
         backend = self.config.attention_backend
         target_cls = target_class(read_config(self.config.model))
         portable_only = not target_cls.supports_triton
+        if self.parallel and backend == "triton":
+            raise ValueError("attention_backend='triton' is not available with "
+                             "tensor_parallel_size > 1; use 'torch' or 'auto'")
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" and not portable_only else "torch"
+            backend = "triton" if self.device.type == "cuda" and not portable_only \
+                and not self.parallel else "torch"
         if backend == "triton" and self.device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
         if backend == "triton" and portable_only:
@@ -208,6 +240,8 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         req = Request(rid, ids, sp)
+        if sp.structured_outputs is not None and self.parallel:
+            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
             req.grammar = self.grammars.matcher(sp.structured_outputs)
         self.requests[rid] = req
@@ -249,6 +283,9 @@ class Engine:
                 batch = current.batch
                 self._inflight = self._launch_next(current)
                 out = self.runner.collect(current)
+        except WorkerFailure:        # a tensor-parallel rank is gone: no step can run
+            self._inflight = None
+            raise
         except Exception as e:       # nothing was postprocessed: the step can run again
             self._inflight = None
             if batch is None:
@@ -279,6 +316,8 @@ class Engine:
         for part in _halves(batch):
             try:
                 out = self.runner.run(part)
+            except WorkerFailure:
+                raise
             except Exception as e:
                 advanced += self._isolate_failure(part, e)
             else:

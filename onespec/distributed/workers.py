@@ -16,13 +16,13 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
+import sys
 import traceback
 import weakref
 
 import torch
 
-from onespec.distributed.group import TensorParallel, WorkerFailure
+from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 
 STARTUP_TIMEOUT_S = 600      # loading a large checkpoint shard
 STOP_TIMEOUT_S = 5
@@ -60,12 +60,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_workers(config, speculative_config) -> "Workers | None":
     """The other ranks of a tensor-parallel engine (None for one rank), after checking
     that the checkpoint, drafter and devices allow the split."""
@@ -95,20 +89,24 @@ class Workers:
 
     def __init__(self, config, speculative_config, device: torch.device):
         size = config.tensor_parallel_size
-        port = _free_port()
+        self.store = store = rendezvous_store(size)   # kept: NCCL meets through it lazily
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         self.failure: str | None = None
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"onespec-tp-rank{rank}", daemon=True,
-                               args=(rank, size, port, config, speculative_config, child))
+                               args=(rank, size, store.port, config, speculative_config, child))
             proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-        self.group = TensorParallel.init(0, size, port, rank_device(device, 0))
+        try:
+            self.group = TensorParallel.join(0, size, store, rank_device(device, 0))
+        except BaseException:
+            self.shutdown()
+            raise
 
     def wait_ready(self):
         """Returns once every rank has built its engine; a WorkerFailure if one failed."""
@@ -195,7 +193,6 @@ def _stop(procs, conns):
             proc.join()
     for conn in conns:
         conn.close()
-    TensorParallel.destroy()
 
 
 class DriverWorker:
@@ -225,7 +222,7 @@ def worker_main(rank: int, size: int, port: int, config, speculative_config, con
         device = rank_device(resolve_device(config.device), rank)
         if device.type == "cpu":            # share the cores with the other ranks
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        group = TensorParallel.init(rank, size, port, device)
+        group = TensorParallel.join(rank, size, port, device)
         engine = Engine(config, speculative_config, parallel=group)
         conn.send(("ready", None))
         _follow(engine, conn, device)
@@ -234,8 +231,7 @@ def worker_main(rank: int, size: int, port: int, config, speculative_config, con
             conn.send(("error", traceback.format_exc()))
         except OSError:
             pass
-        os._exit(1)
-    os._exit(0)
+        sys.exit(1)
 
 
 def _follow(engine, conn, device: torch.device):

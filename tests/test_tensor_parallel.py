@@ -5,6 +5,8 @@ steps; seeded sampling gives one rank's tokens; a dead or failing worker is an e
 the caller, not a hang. Each 2-rank engine is started once per module (spawning is slow)."""
 from __future__ import annotations
 
+import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_pool_full, hf_greedy, make_eagle3_head, make_hf_model
-from onespec import LLM, Eagle3Config, SamplingParams
+from onespec import LLM, Eagle3Config, SamplingParams, StructuredOutputsParams
 from onespec.config import EngineConfig
 from onespec.distributed import WorkerFailure
 
@@ -108,6 +110,9 @@ def test_eagle3_seeded_sampling_equals_one_rank(eagle_pair):
     params = [sampled(seed=30 + i) for i in range(len(PROMPTS))]
     one = LLM(path, speculative_config=spec, **TIGHT)
     assert token_ids(llm.generate(PROMPTS, params)) == token_ids(one.generate(PROMPTS, params))
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    with pytest.raises(ValueError, match="structured_outputs is not supported"):
+        llm.engine.add_request(PROMPTS[0], constrained)
     assert_pool_full(llm)
 
 
@@ -145,13 +150,24 @@ def test_worker_that_raises_is_an_error(small_model):
     _assert_fails_fast(llm, "rank 1 raised")
 
 
+def _workers() -> set:
+    return {p for p in multiprocessing.active_children() if p.name.startswith("onespec")}
+
+
 def test_unsupported_splits_are_refused_before_starting(small_model, tmp_path):
+    before = _workers()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model=small_model, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="must divide num_attention_heads=4"):
         LLM(small_model, tensor_parallel_size=3, device="cpu")
     with pytest.raises(ValueError, match="attention_backend='triton'"):
         LLM(small_model, tensor_parallel_size=2, device="cpu", attention_backend="triton")
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(ValueError, match="not supported for 'Qwen3MoeForCausalLM'"):
+        LLM(str(moe), tensor_parallel_size=2, device="cpu")
+    assert _workers() <= before
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")

@@ -113,12 +113,9 @@ class Workers:
         for rank, conn in enumerate(self.conns, 1):
             if not conn.poll(STARTUP_TIMEOUT_S):
                 self._fail(f"rank {rank} did not start within {STARTUP_TIMEOUT_S} s")
-            try:
-                kind, text = conn.recv()
-            except (EOFError, OSError):
-                self._fail(self._died(rank))
-            if kind != "ready":
-                self._fail(f"rank {rank} failed while starting:\n{text}")
+            report = self._reported(rank, conn)
+            if report:
+                self._fail(report)
 
     def send_step(self, inputs):
         """Sends one step's inputs to every other rank (after checking they are alive)."""
@@ -135,8 +132,9 @@ class Workers:
         if self.failure is not None:
             raise WorkerFailure(self.failure)
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
-            if conn.poll():
-                self._fail(self._reported(rank, conn))
+            report = self._reported(rank, conn) if conn.poll() else None
+            if report:
+                self._fail(report)
             if not proc.is_alive():
                 self._fail(self._died(rank))
 
@@ -144,21 +142,35 @@ class Workers:
         """The WorkerFailure for rank 0's step raising `error` (ranks are out of step now):
         the failing rank's own report when there is one."""
         if self.failure is None:
-            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
-                if conn.poll(0.5) or not proc.is_alive():
-                    self.failure = self._reported(rank, conn) if conn.poll() else \
-                        self._died(rank)
-                    break
-            else:
-                self.failure = f"rank 0 failed: {type(error).__name__}: {error}"
+            self.failure = self._failed_rank() or \
+                f"rank 0 failed: {type(error).__name__}: {error}"
         return WorkerFailure(self.failure)
 
-    def _reported(self, rank: int, conn) -> str:
+    def startup_failed(self, error: BaseException) -> WorkerFailure | None:
+        """A WorkerFailure with the report of the rank behind rank 0's start-up `error`
+        (e.g. a collective whose peer ran out of memory), or None: rank 0's own error says
+        it (a bad setting is refused alike on every rank)."""
+        if isinstance(error, (ValueError, OSError, KeyboardInterrupt)):
+            return None
+        report = self.failure or self._failed_rank()
+        return WorkerFailure(report) if report else None
+
+    def _failed_rank(self) -> str | None:
+        """The report of the first rank that reported an error or died (within 0.5 s)."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            report = self._reported(rank, conn) if conn.poll(0.5) else \
+                None if proc.is_alive() else self._died(rank)
+            if report:
+                return report
+        return None
+
+    def _reported(self, rank: int, conn) -> str | None:
+        """What rank's pipe says: its error, its death (closed), or None (it is ready)."""
         try:
             kind, text = conn.recv()
         except (EOFError, OSError):
             return self._died(rank)
-        return f"tensor-parallel rank {rank} raised:\n{text}"
+        return None if kind == "ready" else f"tensor-parallel rank {rank} raised:\n{text}"
 
     def _died(self, rank: int) -> str:
         proc = self.procs[rank - 1]
@@ -211,6 +223,9 @@ class DriverWorker:
             return self.worker.step(inputs)
         except Exception as e:
             raise self.workers.step_failed(e) from e
+        except BaseException:       # Ctrl-C inside a step: the other ranks are mid-step
+            self.workers.failure = "a step was interrupted on rank 0 (ranks out of step)"
+            raise
 
 
 def worker_main(rank: int, size: int, port: int, config, speculative_config, conn):

@@ -59,8 +59,11 @@ class Engine:
         self.parallel = self.workers.group if self.workers else parallel
         try:
             self._build(config, speculative_config)
-        except BaseException:
+        except BaseException as e:
+            failure = self.workers.startup_failed(e) if self.workers else None
             self.close()
+            if failure is not None:
+                raise failure from e
             raise
 
     def _build(self, config: EngineConfig, speculative_config):

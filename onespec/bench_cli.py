@@ -264,17 +264,19 @@ def request_budget(args, k: int, acceptance: float) -> int:
     return 2 + steps * (k + 1)
 
 
-def measure_decode(llm, batch: int, k: int, acceptance: float, args) -> Measurement:
+def measure_decode(llm, batch: int, k: int, acceptance: float, args,
+                   **sampling) -> Measurement:
     """Prefill (untimed), warm-up steps, then `trials` runs of timed decode steps with no
     prefill chunk in them; every request stays running throughout. Requests are aborted at
-    the end."""
+    the end. `sampling`: further SamplingParams fields of every request."""
     from onespec import SamplingParams
     eng = llm.engine
     set_draft(eng, k, acceptance)
     gen = torch.Generator().manual_seed(args.seed + batch)
     vocab = eng.model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=gen).tolist()
-    sp = SamplingParams(max_tokens=request_budget(args, k, acceptance), ignore_eos=True)
+    sp = SamplingParams(max_tokens=request_budget(args, k, acceptance), ignore_eos=True,
+                        **sampling)
     reqs = [eng.add_request(p, sp) for p in prompts]
     try:
         while any(r.in_context for r in reqs):

@@ -5,7 +5,9 @@ like the other equivalence tests."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import pytest
 
@@ -193,6 +195,28 @@ def test_forced_acceptance_emits_valid_runs():
         assert o.outputs[0].finish_reason == "stop", (kind, o.outputs[0].text)
         check(kind, value, o.outputs[0].text)
     assert llm.stats()["acceptance_length"] > 2
+    assert_pool_full(llm)
+
+
+def test_forced_acceptance_stops_at_drafts_the_grammar_rejects(tmp_path):
+    """A draft vocabulary that lacks the tokens a grammar needs gives drafts the grammar
+    rejects; benchmark mode's forced counts must end the emitted run before them."""
+    target, head = tmp_path / "target", tmp_path / "head"
+    target.mkdir(), head.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TARGET_DIR, name), target)
+    with open(os.path.join(HEAD_DIR, "config.json")) as f:
+        head_cfg = json.load(f)
+    (head / "config.json").write_text(json.dumps({**head_cfg, "draft_vocab_size": 32}))
+    llm = LLM(str(target), device=TEST_DEVICE, dtype="float32", load_format="dummy",
+              speculative_config=Eagle3Config(str(head), max_draft_len=3,
+                                              force_acceptance_length=4.0))
+    cases = [("choice", CHOICES, StructuredOutputsParams(choice=CHOICES)),
+             ("grammar", GRAMMAR_RE, StructuredOutputsParams(grammar=GRAMMAR))]
+    out = llm.generate([PROMPTS[0]] * 2, [constrained(so) for _, _, so in cases])
+    for (kind, value, _), o in zip(cases, out):
+        assert o.outputs[0].finish_reason == "stop", (kind, o.outputs[0].text)
+        check(kind, value, o.outputs[0].text)
     assert_pool_full(llm)
 
 

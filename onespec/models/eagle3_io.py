@@ -64,15 +64,16 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
 
 def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype,
                 ops: TorchOps) -> Eagle3Head:
-    """Random weights of the head's shape (benchmarks); a random sorted draft vocabulary."""
+    """Random weights of the head's shape (benchmarks). The draft vocabulary is the first
+    draft_vocab_size target ids: tokenizers number their frequent tokens first, which is
+    where a trained head's vocabulary lies too (a grammar benchmark needs its tokens)."""
     with torch.device("meta"):
         head = Eagle3Head(cfg, num_captured, ops)
     head.to_empty(device=device)
     init_dummy_weights(head)
     if head.d2t is not None:
-        gen = torch.Generator().manual_seed(0)
-        chosen = torch.randperm(cfg.target_vocab_size, generator=gen)[:cfg.draft_vocab_size]
-        d2t, t2d = make_vocab_maps(chosen.sort().values, cfg.target_vocab_size)
+        chosen = torch.arange(cfg.draft_vocab_size)
+        d2t, t2d = make_vocab_maps(chosen, cfg.target_vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
     return head.to(dtype=dtype)

@@ -117,8 +117,10 @@ class SpecWorker:
             self.step_counter.add_(1)
             num_accepted = forced_num_accepted(self.force_acceptance_length, bg, k,
                                                self.step_counter, rows.device)
-            if inp.grammar is not None and k:   # emit the (grammar-valid) drafts, then the
-                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)  # target's
+            if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
+                valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
+                num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
+                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)
         return tokens, accepted, num_accepted
 
     def _target_logits(self, rows, mask: RowMask | None):

@@ -95,6 +95,8 @@ class StepGrammar:
                 [batch.context[i].req.grammar for i in rows], bitmask, indices=rows)
         slots = [(_Slot(r.grammar, ("gen", g)), num_ctx + g * (k + 1), drafts[g])
                  for g, r in enumerate(batch.generation) if r.grammar is not None]
+        # per generation request: how many of its leading drafts the grammar allows
+        self.valid_drafts = [k] * len(batch.generation)
         try:
             for j in range(k + 1):
                 live = [(s, base) for s, base, _ in slots if s.live]
@@ -107,6 +109,8 @@ class StepGrammar:
                 if j < k:
                     for s, _, d in slots:
                         s.accept(d[j])
+            for s, _, _ in slots:
+                self.valid_drafts[s.source[1]] = s.advanced
         finally:
             for s, _, _ in slots:
                 if s.advanced:

@@ -70,16 +70,24 @@ def test_seeded_sampling_equals_one_rank(arch_pair):
 
 
 @pytest.fixture(scope="module")
-def eagle_pair(tmp_path_factory):
-    """A llama target, an EAGLE-3 head that reads the target's (split) embedding, and the
-    2-rank speculative LLM."""
+def eagle_dirs(tmp_path_factory):
+    """A llama target and an EAGLE-3 head that reads the target's (split) embedding."""
     path = tmp_path_factory.mktemp("tp-eagle-target")
     head = tmp_path_factory.mktemp("tp-eagle-head")
     hf = make_hf_model(path, "llama")
     make_eagle3_head(head, hf, draft_vocab_size=64, seed=3)
-    spec = Eagle3Config(str(head), max_draft_len=3)
-    with LLM(str(path), speculative_config=spec, tensor_parallel_size=2, **TIGHT) as llm:
-        yield str(path), spec, llm
+    return str(path), str(head)
+
+
+@pytest.fixture(scope="module", params=["strict", "rejection"])
+def eagle_pair(request, eagle_dirs):
+    """The 2-rank speculative LLM, with exact-match acceptance or rejection sampling (the
+    draft distributions travel to the other rank with the step's inputs)."""
+    path, head = eagle_dirs
+    spec = Eagle3Config(head, max_draft_len=3,
+                        use_rejection_sampling=request.param == "rejection")
+    with LLM(path, speculative_config=spec, tensor_parallel_size=2, **TIGHT) as llm:
+        yield path, spec, llm
 
 
 def test_eagle3_lossless_with_one_rank_drafts_and_target_steps(eagle_pair):

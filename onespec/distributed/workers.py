@@ -22,7 +22,11 @@ import weakref
 
 import torch
 
+from onespec.config import MTPConfig
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
+from onespec.distributed.layers import check_tensor_parallel
+from onespec.models.loader import read_config
+from onespec.models.registry import resolve_device
 
 STARTUP_TIMEOUT_S = 600      # loading a large checkpoint shard
 STOP_TIMEOUT_S = 5
@@ -66,10 +70,6 @@ def start_workers(config, speculative_config) -> "Workers | None":
     size = config.tensor_parallel_size
     if size == 1:
         return None
-    from onespec.config import MTPConfig
-    from onespec.distributed.layers import check_tensor_parallel
-    from onespec.models.loader import read_config
-    from onespec.models.registry import resolve_device
     check_tensor_parallel(read_config(config.model), size)
     if isinstance(speculative_config, MTPConfig):
         raise ValueError("tensor_parallel_size > 1 is not supported with MTP drafting")
@@ -231,8 +231,7 @@ class DriverWorker:
 def worker_main(rank: int, size: int, port: int, config, speculative_config, conn):
     """Rank `rank`: joins the group, builds its engine, then runs the driver's steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the driver stops us
-    from onespec.engine.engine import Engine
-    from onespec.models.registry import resolve_device
+    from onespec.engine.engine import Engine      # (engine.py imports this module)
     try:
         device = rank_device(resolve_device(config.device), rank)
         if device.type == "cpu":            # share the cores with the other ranks

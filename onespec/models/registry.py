@@ -10,6 +10,7 @@ import os
 import torch
 from torch import nn
 
+from onespec.distributed.layers import shard_decoder, shard_weights
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
@@ -64,17 +65,17 @@ def load_target(path: str, device, dtype, dummy: bool = False,
     cfg = cls.config_class.from_hf(raw)
     with torch.device("meta"):
         model = cls(cfg, ops if cls.supports_triton else TORCH_OPS)
-    weights = iter_weights(path) if not dummy else None
     if parallel is not None:
-        from onespec.distributed.layers import shard_decoder, shard_weights
         shard_decoder(model, parallel)
-        weights = weights and shard_weights(weights, cfg, parallel)
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
         return model.to(dtype=dtype).eval()
+    weights = iter_weights(path)
+    if parallel is not None:        # each tensor sliced to this rank's part as it streams
+        weights = shard_weights(weights, cfg, parallel)
     load_weights(model, weights, rename=model.checkpoint_rename,
                  what=f"checkpoint {path!r}")
     return model.to(device=device, dtype=dtype).eval()

@@ -78,3 +78,23 @@ def test_two_rank_server_answers_openai_client_and_stops_on_ctrl_c(tmp_path):
         assert not any(map(is_running, workers)), server.logs()
     finally:
         server.stop()
+
+
+def test_dead_worker_fails_requests_and_health(tmp_path):
+    """In-process app: once a worker dies, the request in hand gets an error, /health
+    answers 503 and later requests are refused (the engine loop has ended)."""
+    from fastapi.testclient import TestClient
+
+    from onespec.serve import create_app
+    make_hf_model(tmp_path, "llama", num_layers=1)
+    body = {"model": "m", "prompt": [4, 5], "max_tokens": 3}
+    with LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        with TestClient(create_app(llm, "m")) as c:
+            assert c.post("/v1/completions", json=body).status_code == 200
+            proc = llm.engine.workers.procs[0]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code >= 500 and "rank 1" in r.text
+            assert c.get("/health").status_code == 503
+            assert c.post("/v1/completions", json=body).status_code >= 500

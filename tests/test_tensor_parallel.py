@@ -57,6 +57,14 @@ def test_greedy_equals_transformers_and_one_rank(arch_pair):
     one = LLM(path, **TIGHT)
     assert token_ids(one.generate(PROMPTS, GREEDY)) == got
     assert llm.engine.scheduler.num_preemptions > 0
+    # rank 0 really holds half: 2 of 4 query heads, half the KV heads (one, shared, for
+    # qwen2's single head), half the MLP rows, half the (padded) vocabulary
+    model, cfg = llm.engine.model, hf.config
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, max(1, cfg.num_key_value_heads // 2))
+    assert attn.k_cache.shape[1] == attn.num_kv_heads
+    assert model.model.layers[0].mlp.down_proj.weight.shape[1] == cfg.intermediate_size // 2
+    assert model.lm_head.weight.shape[0] == -(-cfg.vocab_size // 2)
     assert_pool_full(llm)
 
 

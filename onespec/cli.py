@@ -96,6 +96,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    help="KV cache blocks (default: sized from memory)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV of prompt prefixes seen before")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target over N GPUs (N CPU processes on the CPU)")
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args):
@@ -178,7 +180,8 @@ def build_llm(args):
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 # ---- generate ------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class EngineConfig:
     programmatic_launch: bool = True
     # reuse the KV of full blocks of earlier prompts and outputs (engine/prefix_cache.py)
     enable_prefix_caching: bool = True
+    # ranks the target is split over (torch.distributed: NCCL on CUDA, gloo on the CPU)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -52,6 +54,7 @@ class EngineConfig:
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("seed", self.seed, 0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

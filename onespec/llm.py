@@ -60,3 +60,13 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats.as_dict()
+
+    def close(self):
+        """Stops the engine's tensor-parallel workers, if any (also at exit); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -8,6 +8,9 @@ import time
 import torch
 
 from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.distributed import TensorParallel, WorkerFailure
+from onespec.distributed.layers import TensorParallelOps
+from onespec.distributed.workers import DriverWorker, start_workers
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
 from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
@@ -58,9 +61,25 @@ def _tree_shape(sc) -> TreeShape | None:
 
 class Engine:
     def __init__(self, config: EngineConfig,
-                 speculative_config: Eagle3Config | MTPConfig | NGramConfig | None = None):
+                 speculative_config: Eagle3Config | MTPConfig | NGramConfig | None = None,
+                 parallel: TensorParallel | None = None):
+        """parallel: this rank's group when the engine is a tensor-parallel worker (rank
+        > 0); with tensor_parallel_size > 1 and none given, this engine is the driver
+        (rank 0) and starts the other ranks (distributed/workers.py)."""
         self.config, self.spec_config = config, speculative_config
-        self.device = resolve_device(config.device)
+        self.workers = start_workers(config, speculative_config) if parallel is None else None
+        self.parallel = self.workers.group if self.workers else parallel
+        try:
+            self._build(config, speculative_config)
+        except BaseException as e:
+            failure = self.workers.startup_failed(e) if self.workers else None
+            self.close()
+            if failure is not None:
+                raise failure from e
+            raise
+
+    def _build(self, config: EngineConfig, speculative_config):
+        self.device = self.parallel.device if self.parallel else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         dummy = config.load_format == "dummy"
         self.tree = _tree_shape(speculative_config)
@@ -69,8 +88,10 @@ class Engine:
         # is built with
         self.kernel_settings = KernelSettings(triton=backend == "triton",
                                               pdl=config.programmatic_launch)
-        self.ops = make_ops(self.kernel_settings)
-        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops)
+        self.ops = make_ops(self.kernel_settings) if self.parallel is None else \
+            TensorParallelOps()
+        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops,
+                                 self.parallel)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
@@ -126,7 +147,8 @@ class Engine:
                                      config.max_batch_size, self.device, mcfg.sliding_window)
         # structured outputs: xgrammar is imported when the first constrained request comes
         self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
-        self.runner = ModelRunner(worker, config.block_size, self.device, mcfg.vocab_size,
+        self.runner = ModelRunner(DriverWorker(worker, self.workers) if self.workers else worker,
+                                  config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs, self.grammars)
         auto = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
         if graphs is not None:       # auto may choose any K: every one is captured now
@@ -144,6 +166,13 @@ class Engine:
             self.policy = build_policy(self)
             self.stats = SpecStats(k, self.policy)
             self.draft_len_fn = self._auto_draft_len
+        if self.workers:
+            self.workers.wait_ready()
+
+    def close(self):
+        """Stops the tensor-parallel workers (nothing to do on one rank); idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
@@ -192,6 +221,8 @@ class Engine:
             else:
                 budget = CPU_KV_BUDGET_BYTES
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
+            if self.parallel:       # every rank holds the same blocks
+                num = self.parallel.min_int(num)
         if num < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
                              f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
@@ -203,13 +234,17 @@ class Engine:
         backend = self.config.attention_backend
         target_cls = target_class(read_config(self.config.model))
         portable_only = not target_cls.supports_triton
+        if self.parallel and backend == "triton":
+            raise ValueError("attention_backend='triton' is not available with "
+                             "tensor_parallel_size > 1; use 'torch' or 'auto'")
         if self.tree is not None:        # tree masks exist in the portable path only
             if backend == "triton":
                 raise ValueError("attention_backend='triton' has no tree masks yet; "
                                  "use_dynamic_tree runs on attention_backend='torch'")
             return "torch"
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" and not portable_only else "torch"
+            backend = "triton" if self.device.type == "cuda" and not portable_only \
+                and not self.parallel else "torch"
         if backend == "triton" and self.device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
         if backend == "triton" and portable_only:
@@ -269,6 +304,8 @@ class Engine:
             raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
                              "(tree drafts are not grammar-masked); use chain drafting")
         req = Request(rid, ids, sp)
+        if sp.structured_outputs is not None and self.parallel:
+            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
             req.grammar = self.grammars.matcher(sp.structured_outputs)
         self.requests[rid] = req
@@ -311,6 +348,9 @@ class Engine:
                 batch = current.batch
                 self._inflight = self._launch_next(current)
                 out = self.runner.collect(current)
+        except WorkerFailure:        # a tensor-parallel rank is gone: no step can run
+            self._inflight = None
+            raise
         except Exception as e:       # nothing was postprocessed: the step can run again
             self._inflight = None
             if batch is None:
@@ -344,6 +384,8 @@ class Engine:
         for part in _halves(batch):
             try:
                 out = self.runner.run(part)
+            except WorkerFailure:
+                raise
             except Exception as e:
                 advanced += self._isolate_failure(part, e)
             else:

@@ -10,6 +10,7 @@ import os
 import torch
 from torch import nn
 
+from onespec.distributed.layers import shard_decoder, shard_weights
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
@@ -55,21 +56,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_target(path: str, device, dtype, dummy: bool = False,
-                ops: TorchOps = TORCH_OPS) -> LlamaForCausalLM:
+                ops: TorchOps = TORCH_OPS, parallel=None) -> LlamaForCausalLM:
     """The target model at `path` (random weights if `dummy`), built with the backend `ops`
-    (classes without Triton kernels, `supports_triton = False`, take the portable path)."""
+    (classes without Triton kernels, `supports_triton = False`, take the portable path);
+    `parallel` (a distributed.TensorParallel): this rank's shards only."""
     raw = read_config(path)
     cls = target_class(raw)
     cfg = cls.config_class.from_hf(raw)
     with torch.device("meta"):
         model = cls(cfg, ops if cls.supports_triton else TORCH_OPS)
+    if parallel is not None:
+        shard_decoder(model, parallel)
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
         return model.to(dtype=dtype).eval()
-    load_weights(model, iter_weights(path), rename=model.checkpoint_rename,
+    weights = iter_weights(path)
+    if parallel is not None:        # each tensor sliced to this rank's part as it streams
+        weights = shard_weights(weights, cfg, parallel)
+    load_weights(model, weights, rename=model.checkpoint_rename,
                  what=f"checkpoint {path!r}")
     return model.to(device=device, dtype=dtype).eval()
 

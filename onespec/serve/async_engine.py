@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from onespec.distributed import WorkerFailure
 from onespec.engine.engine import Engine
 from onespec.engine.request import Request, RequestMetrics
 from onespec.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class EngineLoop:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:       # noqa: BLE001 - the loop crashed: logged when it did
+                pass
             self._task = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
@@ -136,6 +139,8 @@ class EngineLoop:
                 try:
                     advanced = await asyncio.get_running_loop().run_in_executor(
                         self._executor, self.engine.step)
+                except WorkerFailure:      # a tensor-parallel rank is gone: the loop ends
+                    raise
                 except Exception as e:     # not pinned on a request: fail those in flight
                     logger.exception("engine step failed; aborting all in-flight requests")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

@@ -91,8 +91,11 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
                      args.max_request_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    finally:                        # Ctrl-C too: the tensor-parallel workers stop with us
+        llm.close()
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from onespec.distributed.layers import VocabParallelEmbedding
 from onespec.models.eagle3 import Eagle3Head
 from onespec.models.llama import LlamaForCausalLM
 
@@ -29,6 +30,8 @@ class Eagle3Drafter:
         return self.head.initial_hidden(captured.to(self.dtype))           # [T, H]
 
     def forward(self, input_ids, positions, hidden, meta, step: int = 0):
+        if isinstance(self.embed, VocabParallelEmbedding):    # the target's, split by rank
+            return self.head(self.embed(input_ids), hidden, positions, meta)
         # the head gathers the embedding rows itself (one kernel with its input norms)
         return self.head(None, hidden, positions, meta, ids=input_ids,
                          table=self.embed.weight)                           # [T, H]

@@ -1,0 +1,266 @@
+"""The driver's side of tensor parallelism: ranks 1..N-1 as processes it starts and stops.
+
+The driver (the caller's process) is rank 0: it schedules, and before each step it sends
+that step's StepInputs to every other rank over a pipe; then every rank runs the same
+SpecWorker.step on its shards, the collectives inside keeping them in lockstep, and only
+rank 0's results are read. A rank that dies or raises becomes a WorkerFailure in the
+caller: its pipe and its process are watched every step, and the collectives of a step
+whose peer died fail as soon as the connection closes (or after COLLECTIVE_TIMEOUT_S if a
+rank hangs). Workers ignore Ctrl-C (the driver stops them) and exit when the driver's end
+of their pipe closes, so none outlives it.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import traceback
+import weakref
+
+import torch
+
+from onespec.config import AUTO_DRAFT_LEN, MTPConfig
+from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
+from onespec.distributed.layers import check_tensor_parallel
+from onespec.models.loader import read_config
+from onespec.models.registry import resolve_device
+
+STARTUP_TIMEOUT_S = 600      # loading a large checkpoint shard
+STOP_TIMEOUT_S = 5
+
+
+class _Pickler(pickle.Pickler):
+    """Device tensors travel as CPU tensors (each rank moves them to its own device)."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return ("tensor", obj.cpu())
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, device: torch.device):
+        super().__init__(io.BytesIO(data))
+        self.device = device
+
+    def persistent_load(self, pid):
+        return pid[1].to(self.device)
+
+
+def dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def loads(data: bytes, device: torch.device):
+    return _Unpickler(data, device).load()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def start_workers(config, speculative_config) -> "Workers | None":
+    """The other ranks of a tensor-parallel engine (None for one rank), after checking
+    that the checkpoint, drafter and devices allow the split."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    check_tensor_parallel(read_config(config.model), size)
+    if isinstance(speculative_config, MTPConfig):
+        raise ValueError("tensor_parallel_size > 1 is not supported with MTP drafting")
+    if getattr(speculative_config, "draft_len_schedule", None) == AUTO_DRAFT_LEN:
+        raise ValueError(f"tensor_parallel_size > 1 is not supported with draft_len_schedule="
+                         f"{AUTO_DRAFT_LEN!r} (its start-up timing runs on one rank); give a "
+                         "{batch_size: K} dict or None")
+    if getattr(speculative_config, "use_dynamic_tree", False):
+        raise ValueError("tensor_parallel_size > 1 is not supported with use_dynamic_tree")
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device={config.device!r}: with tensor_parallel_size > 1 "
+                             "rank r runs on cuda:r; pass device='cuda'")
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
+                             f"{torch.cuda.device_count()} visible")
+    return Workers(config, speculative_config, device)
+
+
+class Workers:
+    """Ranks 1..N-1 of one engine, started in __init__ (spawned; they load their shards)."""
+
+    def __init__(self, config, speculative_config, device: torch.device):
+        size = config.tensor_parallel_size
+        self.store = store = rendezvous_store(size)   # kept: NCCL meets through it lazily
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        self.failure: str | None = None
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"onespec-tp-rank{rank}", daemon=True,
+                               args=(rank, size, store.port, config, speculative_config, child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        try:
+            self.group = TensorParallel.join(0, size, store, rank_device(device, 0))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self):
+        """Returns once every rank has built its engine; a WorkerFailure if one failed."""
+        for rank, conn in enumerate(self.conns, 1):
+            if not conn.poll(STARTUP_TIMEOUT_S):
+                self._fail(f"rank {rank} did not start within {STARTUP_TIMEOUT_S} s")
+            report = self._reported(rank, conn)
+            if report:
+                self._fail(report)
+
+    def send_step(self, inputs):
+        """Sends one step's inputs to every other rank (after checking they are alive)."""
+        self.check()
+        data = dumps(("step", inputs))
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(self._died(rank))
+
+    def check(self):
+        """A WorkerFailure if a rank has died or reported an error (or one did before)."""
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            report = self._reported(rank, conn) if conn.poll() else None
+            if report:
+                self._fail(report)
+            if not proc.is_alive():
+                self._fail(self._died(rank))
+
+    def step_failed(self, error: Exception) -> WorkerFailure:
+        """The WorkerFailure for rank 0's step raising `error` (ranks are out of step now):
+        the failing rank's own report when there is one."""
+        if self.failure is None:
+            self.failure = self._failed_rank() or \
+                f"rank 0 failed: {type(error).__name__}: {error}"
+        return WorkerFailure(self.failure)
+
+    def startup_failed(self, error: BaseException) -> WorkerFailure | None:
+        """A WorkerFailure with the report of the rank behind rank 0's start-up `error`
+        (e.g. a collective whose peer ran out of memory), or None: rank 0's own error says
+        it (a bad setting is refused alike on every rank)."""
+        if isinstance(error, (ValueError, OSError, KeyboardInterrupt)):
+            return None
+        report = self.failure or self._failed_rank()
+        return WorkerFailure(report) if report else None
+
+    def _failed_rank(self) -> str | None:
+        """The report of the first rank that reported an error or died (within 0.5 s)."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            report = self._reported(rank, conn) if conn.poll(0.5) else \
+                None if proc.is_alive() else self._died(rank)
+            if report:
+                return report
+        return None
+
+    def _reported(self, rank: int, conn) -> str | None:
+        """What rank's pipe says: its error, its death (closed), or None (it is ready)."""
+        try:
+            kind, text = conn.recv()
+        except (EOFError, OSError):
+            return self._died(rank)
+        return None if kind == "ready" else f"tensor-parallel rank {rank} raised:\n{text}"
+
+    def _died(self, rank: int) -> str:
+        proc = self.procs[rank - 1]
+        proc.join(1.0)
+        return (f"tensor-parallel rank {rank} (pid {proc.pid}) died "
+                f"(exit code {proc.exitcode})")
+
+    def _fail(self, message: str):
+        self.failure = message
+        raise WorkerFailure(message)
+
+    def shutdown(self):
+        """Stops every rank and leaves the group (also run when the object is collected
+        or the interpreter exits); idempotent."""
+        self._finalizer()
+
+
+def _stop(procs, conns):
+    """Asks each rank to stop, then terminates, then kills it; leaves the group."""
+    for conn in conns:
+        try:
+            conn.send_bytes(dumps(("stop", None)))
+        except OSError:
+            pass
+    for proc in procs:
+        proc.join(STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+class DriverWorker:
+    """Rank 0's SpecWorker: each step's inputs go to the other ranks first; a step that
+    raises is a WorkerFailure (the ranks' collectives are out of step after it)."""
+
+    def __init__(self, worker, workers: Workers):
+        self.worker, self.workers = worker, workers
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def step(self, inputs):
+        self.workers.send_step(inputs)
+        try:
+            return self.worker.step(inputs)
+        except Exception as e:
+            raise self.workers.step_failed(e) from e
+        except BaseException:       # Ctrl-C inside a step: the other ranks are mid-step
+            self.workers.failure = "a step was interrupted on rank 0 (ranks out of step)"
+            raise
+
+
+def worker_main(rank: int, size: int, port: int, config, speculative_config, conn):
+    """Rank `rank`: joins the group, builds its engine, then runs the driver's steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the driver stops us
+    from onespec.engine.engine import Engine      # (engine.py imports this module)
+    try:
+        device = rank_device(resolve_device(config.device), rank)
+        if device.type == "cpu":            # share the cores with the other ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        group = TensorParallel.join(rank, size, port, device)
+        engine = Engine(config, speculative_config, parallel=group)
+        conn.send(("ready", None))
+        _follow(engine, conn, device)
+    except BaseException:       # noqa: BLE001 - reported to the driver, then exit
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+def _follow(engine, conn, device: torch.device):
+    worker = engine.runner.worker
+    while True:
+        try:
+            kind, inputs = loads(conn.recv_bytes(), device)
+        except EOFError:       # the driver is gone
+            return
+        if kind == "stop":
+            return
+        worker.step(inputs)

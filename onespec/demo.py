@@ -1,13 +1,15 @@
 """`onespec demo`: the bundled code model and its EAGLE-3 head, plain vs speculative.
 
-Streams the speculative completions of a few built-in code prompts, then decodes the same
-prompts with and without speculation in alternation over a few rounds and prints the
-acceptance length, tokens/s and the speedup (median and spread over the rounds), all
-measured in this run. Greedy decoding: both must produce the same text.
+Streams the speculative completions of a few built-in code prompts, picks the draft length
+that decodes fastest on this machine (a short timed trial of each K in 2..6 on one engine),
+then decodes the same prompts with and without speculation in alternation over a few rounds
+and prints the acceptance length, tokens/s and the speedup (median and spread over the
+rounds), all measured in this run. Greedy decoding: both must produce the same text.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -26,6 +28,8 @@ PROMPTS = [
 
 
 UNRELIABLE_SPREAD = 0.2          # (max - min) / median of the per-round speedups
+DRAFT_LENS = range(2, 7)         # the draft lengths the demo tries
+TRIAL_TOKENS = 48                # tokens per prompt in each trial of a draft length
 
 
 def stream(llm, prompts, sp):
@@ -62,6 +66,35 @@ def interleaved_rounds(spec_llm, plain_llm, prompts, sp, rounds: int) -> dict:
             "tokens": sum(map(len, results["spec"][0]))}
 
 
+def set_draft_len(llm, k: int):
+    """Runs the following steps of llm (built with max_draft_len >= k) with k drafts,
+    capturing its CUDA graphs for k first where the engine graphs its steps."""
+    llm.engine.draft_len_fn = lambda num_requests: k
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        graphs.capture(k)
+
+
+def pick_draft_len(llm, prompts, max_tokens: int) -> tuple[int, dict[int, float]]:
+    """The fastest K in DRAFT_LENS on this machine: each K decodes the prompts twice, the
+    passes in opposite orders of K so a load that comes and goes hits every K alike; a K
+    keeps its better pass. Returns (best K, {K: tokens/s})."""
+    from onespec import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens)
+    best: dict[int, float] = {}
+    for order in (list(DRAFT_LENS), list(DRAFT_LENS)[::-1]):
+        for k in order:
+            set_draft_len(llm, k)
+            best[k] = max(best.get(k, 0.0), timed_round(llm, prompts, sp)[1])
+    return max(best, key=best.get), best
+
+
+def model_summary(path: str) -> str:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return f"{cfg['num_hidden_layers']}-layer code model"
+
+
 def report_speedup(speedups: list[float]):
     median = statistics.median(speedups)
     low, high = min(speedups), max(speedups)
@@ -83,10 +116,22 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def choose_draft_len(llm, prompts, max_tokens: int) -> int:
+    """pick_draft_len on the first two prompts, printed; leaves llm at the chosen K."""
+    k, rates = pick_draft_len(llm, prompts[:2], max_tokens)
+    set_draft_len(llm, k)
+    trials = ", ".join(f"K={j}: {r:.0f}" for j, r in sorted(rates.items()))
+    print(f"\ndraft length: K={k}, the fastest here (speculative tok/s over a short trial: "
+          f"{trials})")
+    return k
+
+
 def main(argv=None) -> int:
     from onespec.cli import Parser
     p = Parser(prog="onespec demo", description=__doc__)
-    p.add_argument("--k", type=positive_int, default=4, help="draft length")
+    p.add_argument("--k", type=positive_int, default=None,
+                   help=f"draft length (default: the fastest of {DRAFT_LENS.start}.."
+                        f"{DRAFT_LENS.stop - 1}, measured at start)")
     p.add_argument("--max-tokens", type=positive_int, default=96, help="tokens per prompt")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="timed rounds of plain and speculative decoding, interleaved")
@@ -94,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="short run (CI): 2 prompts, 8 tokens")
     args = p.parse_args(argv)
     from onespec import LLM, Eagle3Config, SamplingParams
+    from onespec.engine.stats import SpecStats
     if not os.path.isfile(os.path.join(HEAD_DIR, "config.json")):
         print(f"onespec demo: the bundled head is missing from {HEAD_DIR}", file=sys.stderr)
         return 1
@@ -104,22 +150,26 @@ def main(argv=None) -> int:
     kw = dict(device=args.device, dtype="auto", max_batch_size=4)
     # the head runs in bf16 even over a float32 target: its drafts are verified by the target,
     # so its precision moves only the acceptance rate, never the output
-    spec = Eagle3Config(HEAD_DIR, max_draft_len=args.k, draft_dtype="bfloat16")
+    spec = Eagle3Config(HEAD_DIR, max_draft_len=args.k or max(DRAFT_LENS),
+                        draft_dtype="bfloat16")
     spec_llm = LLM(TARGET_DIR, speculative_config=spec, **kw)
     plain_llm = LLM(TARGET_DIR, **kw)
     device = spec_llm.engine.device
-    print(f"onespec demo: 8-layer code model + EAGLE-3 head on {device}, K={args.k}, greedy\n")
+    graphs = "CUDA graphs on" if spec_llm.engine.runner.graphs is not None else "eager"
+    print(f"onespec demo: {model_summary(TARGET_DIR)} + EAGLE-3 head on {device} ({graphs}), "
+          "greedy\n")
     stream(spec_llm, prompts, sp)                               # shown; also the warm-up
     timed_round(plain_llm, prompts, SamplingParams(max_tokens=4))
-    before = spec_llm.stats()
+    k = args.k or choose_draft_len(spec_llm, prompts, 8 if args.smoke else TRIAL_TOKENS)
+    # count the timed rounds alone: the streaming and the trials ran other draft lengths
+    spec_llm.engine.stats = SpecStats(spec_llm.engine.max_draft_len)
     run = interleaved_rounds(spec_llm, plain_llm, prompts, sp, args.rounds)
     stats = spec_llm.stats()
-    steps = stats["target_steps"] - before["target_steps"]
-    generated = stats["num_generated_tokens"] - before["num_generated_tokens"]
-    per_pos = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
+    steps, generated = stats["target_steps"], stats["num_generated_tokens"]
+    per_pos = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"][:k])
     print("\n" + "-" * 64)
     print(f"identical output to plain decoding: {'yes' if run['same'] else 'NO'}")
-    print(f"acceptance length: {generated / max(steps, 1):.2f} tokens per target step "
+    print(f"acceptance length: {generated / max(steps, 1):.2f} tokens per target step at K={k} "
           f"(acceptance per draft position: {per_pos})")
     rounds = f"median of {args.rounds} round{'s' if args.rounds > 1 else ''}"
     print(f"plain decoding:       {statistics.median(run['plain_tps']):8.1f} tok/s  "

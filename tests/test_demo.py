@@ -37,6 +37,11 @@ def test_demo_smoke_runs():
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "identical output to plain decoding: yes" in proc.stdout
+    chosen = re.search(r"draft length: K=(\d), the fastest here \(speculative tok/s over a short "
+                       r"trial: K=2: \d+, K=3: \d+, K=4: \d+, K=5: \d+, K=6: \d+\)", proc.stdout)
+    assert chosen and 2 <= int(chosen.group(1)) <= 6, proc.stdout
+    assert f"tokens per target step at K={chosen.group(1)} " in proc.stdout
+    assert re.search(r"layer code model \+ EAGLE-3 head on cpu \(eager\)", proc.stdout)
     assert "acceptance length:" in proc.stdout
     assert re.search(r"plain decoding: +[\d.]+ tok/s  \(median of 3 rounds of 16 tokens\)\n"
                      r"speculative decoding: +[\d.]+ tok/s\n"

@@ -351,3 +351,23 @@ def test_cli_small_run_explains_its_length_and_writes_no_state(target_dir, tmp_p
                  "--save-state", "--no-progress"]) == 0
     assert torch.load(tmp_path / "kept" / "checkpoint" / "state.pt",
                       weights_only=True)["step"] == 1
+
+
+def test_max_seconds_stops_the_run_and_decays_the_rate_over_that_time(target_dir, tmp_path):
+    from onespec.train import TrainConfig, train_eagle3
+    from onespec.train.trainer import lr_at
+    assert lr_at(50, 1000, 1.0, 10, time_progress=1.0) == pytest.approx(0.0)
+    assert lr_at(50, 1000, 1.0, 10, time_progress=0.5) == pytest.approx(0.5)
+    assert lr_at(5, 1000, 1.0, 10, time_progress=0.9) == pytest.approx(0.6)   # still warming up
+    with pytest.raises(ValueError, match="max_seconds must be > 0"):
+        TrainConfig(target=target_dir, data="x", out="y", max_seconds=0)
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [{"text": f"def f{i}(x):\n    return x * {i}\n" * 3} for i in range(8)])
+    cfg = TrainConfig(target=target_dir, data=str(data), out=str(tmp_path / "head"), max_len=32,
+                      batch_tokens=64, ttt_steps=2, draft_vocab=64, device="cpu", epochs=10000,
+                      warmup_ratio=0.0, log_every=1000, max_seconds=2.0, progress=False)
+    _, history = train_eagle3(cfg)
+    steps = [h for h in history if not h.get("eval")]
+    assert steps and 1 <= steps[-1]["step"] < 10000 * 4            # stopped by time, logged
+    assert steps[-1]["lr"] < 0.5 * cfg.lr                          # decayed over the time
+    assert os.path.isfile(tmp_path / "head" / "model.safetensors")

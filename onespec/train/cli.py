@@ -59,6 +59,9 @@ def eagle3_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps (default: every batch of every "
                         "epoch)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this much training time (regeneration not counted); the "
+                        "learning rate decays over it")
     p.add_argument("--eval-data", default=None,
                    help="held-out records: per-step accuracy logged at each checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false",

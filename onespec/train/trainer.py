@@ -62,6 +62,8 @@ class TrainConfig:
     resume: bool = False
     regenerate: bool = False
     max_steps: int | None = None      # stop early (the LR schedule spans min(total, max_steps))
+    max_seconds: float | None = None  # stop after this much training time (regeneration not
+                                      # counted); the LR schedule then also spans that time
     eval_data: str | None = None      # held-out records: per-step accuracy at save points
     progress: bool = True
 
@@ -89,6 +91,8 @@ class TrainConfig:
         if self.max_steps is not None and (not isinstance(self.max_steps, int)
                                            or self.max_steps < 1):
             raise ValueError(f"max_steps must be an integer >= 1 or None, got {self.max_steps!r}")
+        if self.max_seconds is not None and not (self.max_seconds > 0):
+            raise ValueError(f"max_seconds must be > 0 or None, got {self.max_seconds!r}")
         if self.capture_layers is not None:
             self.capture_layers = tuple(self.capture_layers)
             if not self.capture_layers or any(not isinstance(i, int) or i < 0
@@ -97,11 +101,12 @@ class TrainConfig:
                                  f"got {self.capture_layers!r}")
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+def lr_at(step: int, total: int, peak: float, warmup: int, time_progress: float = 0.0) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total` or, in a run
+    bounded by time, at the end of that time (whichever comes first)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = max((step - warmup) / max(1, total - warmup), time_progress)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -210,7 +215,7 @@ class Trainer:
     def train_step(self, batch: list[int]) -> tuple[list[StepStats], float]:
         cfg = self.cfg
         stats = self.forward([self.samples[i] for i in batch])
-        lr = lr_at(self.pos.step, self.total, cfg.lr, self.warmup)
+        lr = lr_at(self.pos.step, self.total, cfg.lr, self.warmup, self.time_progress())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -242,23 +247,34 @@ class Trainer:
         if self.eval_samples:
             self.log({"step": self.pos.step, "eval": True, **self.evaluate()})
 
+    def time_progress(self) -> float:
+        """Share of --max-seconds used so far (0 without a time limit). The clock starts
+        after the first step, so one-off warm-up (kernel compilation, allocator growth)
+        does not eat the schedule."""
+        if self.cfg.max_seconds is None or self.start is None:
+            return 0.0
+        return (time.perf_counter() - self.start) / self.cfg.max_seconds
+
     def run(self):
         cfg, pos = self.cfg, self.pos
+        self.start = None
         log_path = cfg.log or os.path.join(cfg.out, "train_log.jsonl")
         self.log_file = open(log_path, "a" if pos.step else "w")
         meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
         bar = tqdm(total=self.total, initial=pos.step, desc="train eagle3",
                    disable=None if cfg.progress else True)      # None: off a terminal, none
         self.head.train()
-        while pos.step < self.total and pos.epoch < cfg.epochs:
+        while pos.step < self.total and pos.epoch < cfg.epochs and self.time_progress() < 1:
             batches = make_batches(self.lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
             for batch in batches[pos.batch:]:
-                if pos.step >= self.total:
+                if pos.step >= self.total or self.time_progress() >= 1:
                     break
                 stats, lr = self.train_step(batch)
+                self.start = self.start or time.perf_counter()
                 meter.add(stats, sum(self.lengths[i] for i in batch))
                 bar.update(1)
-                if pos.step % cfg.log_every == 0 or pos.step == self.total:
+                if pos.step % cfg.log_every == 0 or pos.step == self.total \
+                        or self.time_progress() >= 1:
                     summary = meter.summary(cfg.loss_decay)
                     rate = meter.num_tokens / (time.perf_counter() - tick)
                     self.log({"step": pos.step, "epoch": pos.epoch, "lr": lr, **summary,

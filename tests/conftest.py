@@ -133,3 +133,16 @@ def make_eagle3_head(path, target_model, fmt: str = "safeailab", draft_vocab_siz
     save_eagle3_head(head, str(path), fmt)
     assert head_config_dict(cfg, fmt)
     return head
+
+
+def build_eagle_pair(tmp_path_factory, num_layers: int, prompts, params):
+    """A random llama target of num_layers, a random EAGLE-3 head for it (draft vocabulary
+    64 of 128), and the target's plain outputs for prompts: (target dir, HF model, head dir,
+    token ids)."""
+    from onespec import LLM
+    tdir = tmp_path_factory.mktemp("target")
+    hf = make_hf_model(tdir, "llama", num_layers=num_layers)
+    head = str(tmp_path_factory.mktemp("head"))
+    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
+    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
+    return str(tdir), hf, head, [o.outputs[0].token_ids for o in plain]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import TEST_DEVICE, assert_pool_full, build_eagle_pair
 from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
 from onespec.speculative.acceptance import forced_num_accepted_by_rates
 from onespec.speculative.cost_model import DraftLenPolicy, bucket_for, expected_tokens
@@ -149,12 +149,8 @@ def test_config_accepts_auto_and_rates():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tdir = tmp_path_factory.mktemp("target")
-    hf = make_hf_model(tdir, "llama", num_layers=6)
-    head = str(tmp_path_factory.mktemp("head"))
-    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
-    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(PROMPTS, GREEDY)
-    return str(tdir), head, [o.outputs[0].token_ids for o in plain]
+    target, _, head, plain = build_eagle_pair(tmp_path_factory, 6, PROMPTS, GREEDY)
+    return target, head, plain
 
 
 def auto_llm(target, head, **spec):

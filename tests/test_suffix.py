@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import TEST_DEVICE, assert_pool_full, build_eagle_pair
 from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
 from onespec.speculative.ngram import NGramIndex
 from onespec.speculative.suffix_automaton import SuffixAutomaton
@@ -114,12 +114,8 @@ def test_ngram_worked_example():
 # ---- in the engine ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tdir = tmp_path_factory.mktemp("target")
-    hf = make_hf_model(tdir, "llama", num_layers=4)
-    head = str(tmp_path_factory.mktemp("head"))
-    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
-    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(PROMPTS, GREEDY)
-    return str(tdir), head, [o.outputs[0].token_ids for o in plain]
+    target, _, head, plain = build_eagle_pair(tmp_path_factory, 4, PROMPTS, GREEDY)
+    return target, head, plain
 
 
 def run_checking_drafts(llm, check) -> list[list[int]]:

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import (TEST_DEVICE, assert_pool_full, build_eagle_pair, make_eagle3_head,
+                      make_hf_model)
 from draft_reference import HeadReference
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.speculative.tree import depths_of
@@ -21,12 +22,7 @@ GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A 6-layer target, a random head for it (draft vocab 64 of 128), plain greedy outputs."""
-    tdir = tmp_path_factory.mktemp("target")
-    hf = make_hf_model(tdir, "llama", num_layers=6)
-    head = str(tmp_path_factory.mktemp("head"))
-    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
-    plain = LLM(str(tdir), device=TEST_DEVICE, dtype="float32").generate(PROMPTS, GREEDY)
-    return str(tdir), hf, head, [o.outputs[0].token_ids for o in plain]
+    return build_eagle_pair(tmp_path_factory, 6, PROMPTS, GREEDY)
 
 
 def tree_llm(target, head, depth=3, top_k=2, nodes=6, device=TEST_DEVICE, **kw):

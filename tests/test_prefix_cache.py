@@ -300,6 +300,18 @@ def test_disabled_and_validated(models):
         engine(models, "yes")
 
 
+def test_forced_acceptance_caches_prompt_blocks_only(models):
+    """Forced acceptance (by length or by per-position rates) emits tokens whose KV was
+    computed for other tokens: only prompt blocks may be cached then."""
+    target, head, _ = models
+    for forced in (dict(force_acceptance_length=2.0),
+                   dict(force_acceptance_rates=(0.5, 0.5, 0.5))):
+        llm = LLM(target, speculative_config=Eagle3Config(head, max_draft_len=3, **forced),
+                  dtype="float32", device=TEST_DEVICE, block_size=BS)
+        assert llm.engine.pool.cache.prompt_only, forced
+    assert not engine(models, True, k=3).engine.pool.cache.prompt_only
+
+
 def test_cli_flag():
     from onespec.serve.cli import build_parser
     base = ["--model", "m"]

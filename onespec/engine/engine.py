@@ -205,7 +205,8 @@ class Engine:
         if not self.config.enable_prefix_caching:
             return None
         lookahead = 1 if drafter is not None and drafter.attention_layers else 0
-        forced = sc is not None and sc.force_acceptance_length is not None
+        forced = sc is not None and (sc.force_acceptance_length is not None
+                                     or sc.force_acceptance_rates is not None)
         return PrefixCache(self.config.block_size, lookahead, prompt_only=forced)
 
     def _num_kv_blocks(self, attn_layers, k: int) -> int:

@@ -463,6 +463,102 @@ def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
     torch.testing.assert_close(outs[32].float(), outs[16].float(), atol=tol, rtol=tol)
 
 
+def _random_parents(batch: int, nodes: int, seed: int, padded: int = -1) -> torch.Tensor:
+    """[batch, nodes] parents of random trees (node i + 1 under a row in 0 .. i); request
+    `padded` gets the engine's padding tree (every node under the root)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.stack([torch.stack([torch.randint(0, i + 1, (), generator=gen)
+                                        for i in range(nodes)]) for _ in range(batch)])
+    if 0 <= padded < batch:
+        parents[padded] = 0
+    return parents.to(DEV)
+
+
+def _tree_attention(q, kc, vc, tables, q_lens, positions, bs, req_index, base, ancestors,
+                    **launch):
+    """The portable path's tree-masked attention (mask_tree_block over its dense mask) and
+    the Triton kernel's (the same call over the Triton metadata), as float32."""
+    from onespec.speculative.tree import mask_tree_block
+    outs = []
+    for backend in ("torch", "triton"):
+        meta = build_attention_metadata(tables, q_lens, positions, bs,
+                                        int(positions.max()) + 1, None, backend)
+        meta = mask_tree_block(meta, req_index, base, ancestors)
+        if backend == "torch" or not launch:
+            out = ops_for(backend).cached_attention(q, kc, vc, meta, 0.2)
+        else:
+            out = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions, 0.2, bs,
+                                     rows_per_request=meta.rows_per_request,
+                                     tree_mask=meta.tree_mask, tree_base=meta.tree_base,
+                                     **launch)
+        outs.append(out.float())
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (6, 2, 24)])
+@pytest.mark.parametrize("case", ["mixed", "verify-split", "verify-wide", "verify-unsplit"])
+@torch.inference_mode()
+def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, case):
+    """A tree verify (rows [t_last, n1 .. nN] of a request at cache positions P .. P + N,
+    each seeing the prefix and its own ancestors in the block): the Triton kernel with the
+    rows' ancestor masks equals the portable path's masked attention, for random trees
+    and the engine's padding tree (every node under the root), at prefixes of 2 .. 1,200
+    keys. 'mixed': prefill chunks before the tree requests (rows per request unknown, a
+    split launch of 16 rows); 'verify-split': 3 requests of N = 4, packed and split 16
+    ways; 'verify-wide': 5 requests of N = 7 (40 rows), packed and split (few programs);
+    'verify-unsplit': the same never split (one program walks every key tile)."""
+    nodes, batch, ctx = {"mixed": (5, 2, [3, 1]), "verify-split": (4, 3, []),
+                         "verify-wide": (7, 5, []), "verify-unsplit": (7, 5, [])}[case]
+    starts = [1200, 2, 700, 64, 333][:batch]
+    ctx_starts = [40, 5][:len(ctx)]
+    q_lens = ctx + [nodes + 1] * batch
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
+                                                      q_lens, ctx_starts + starts, seed=3)
+    parents = _random_parents(batch, nodes, seed=len(case), padded=1)
+    from onespec.speculative.tree import ancestor_matrix
+    ancestors = ancestor_matrix(parents, nodes)
+    req_index = torch.arange(len(ctx), len(q_lens), device=DEV)
+    base = torch.tensor(starts, device=DEV)
+    launch = {"split_programs": 0} if case == "verify-unsplit" else {}
+    want, got = _tree_attention(q, kc, vc, tables, q_lens if ctx else nodes + 1, positions,
+                                bs, req_index, base, ancestors, **launch)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert not ta._tickets[q.device].any()
+    # the mask matters: the rows with a sibling before them differ from causal attention
+    plain = TRITON_OPS.cached_attention(q, kc, vc, build_attention_metadata(
+        tables, q_lens, positions, bs, 0, None, "triton"), 0.2).float()
+    assert not torch.allclose(plain, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,depth", [(2, 3), (4, 4)])
+@torch.inference_mode()
+def test_tree_draft_pass_attention_matches_torch(dtype, top_k, depth):
+    """A tree draft pass at depth d: k frontier rows a request at draft positions
+    Q + 1 + (d - 1)·k .. Q + d·k, each seeing the draft KV up to the root Q and its own
+    ancestors' entries in the block from Q + 1: the Triton kernel equals the portable
+    path's masked attention (4 requests, so a split launch of 8 or 16 rows)."""
+    batch, width = 4, (depth - 1) * top_k
+    roots = [900, 3, 250, 40]
+    d = depth - 1                                  # the last pass: the fullest block
+    starts = [r + 1 + (d - 1) * top_k for r in roots]
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, 4, 2, 32, [top_k] * batch,
+                                                      starts, seed=5)
+    gen = torch.Generator().manual_seed(top_k)
+    ancestors = torch.zeros(batch, top_k, width, dtype=torch.bool)
+    own = torch.arange(top_k)
+    for level in range(1, d + 1):             # each frontier row: one entry a depth
+        pick = own if level == d else torch.randint(0, top_k, (batch, top_k), generator=gen)
+        ancestors[torch.arange(batch)[:, None], own, (level - 1) * top_k + pick] = True
+    base = torch.tensor(roots, device=DEV) + 1
+    want, got = _tree_attention(q, kc, vc, tables, top_k, positions, bs,
+                                torch.arange(batch, device=DEV), base, ancestors.to(DEV))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def test_num_splits_worked_examples():
     """8B shape (8 kv heads, 4 query heads each) on 132 SMs: decode-sized launches keep 16
     splits; a K = 3 verify of 8 requests (32 rows, 64 packed programs) splits 4 ways, of
@@ -593,7 +689,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 32
+    assert len(rows) == 34
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         # gdc_wait + launch_dependents (the MoE targets' kernels follow PyTorch operations)

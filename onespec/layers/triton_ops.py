@@ -122,7 +122,7 @@ class TritonOps(TorchOps):
         return attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
-            pdl=self.pdl(q.device))
+            pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base)
 
     def routed_experts(self, experts, x, logits, router, bias=None):
         if not self.rows(x):

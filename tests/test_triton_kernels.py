@@ -713,3 +713,60 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert early["shared_bytes"] + qkv["shared_bytes"] + 2048 <= 228 * 1024
     late = by_name["gemv prenorm"]
     assert late["global_loads_before_release"] > late["global_loads_before_wait"], late
+
+
+@torch.inference_mode()
+def test_triton_tree_step_matches_portable_path(tmp_path):
+    """A tree step's forwards through the Triton backend equal the portable path: a target
+    forward of a prefill chunk beside a tree verify (7 rows at cache positions 20 .. 26,
+    rotated at 20 + depth, each seeing the prefix and its ancestors), and the draft head's
+    tree expansion (draft_tree: two passes of 2 frontier rows a request, each seeing the
+    draft KV to its root and its ancestors' entries) giving the same tree and draft KV."""
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.eagle3_io import load_eagle3_head
+    from onespec.models.registry import load_target
+    from onespec.speculative.eagle3 import Eagle3Drafter
+    from onespec.speculative.shape import TreeShape
+    from onespec.speculative.tree import ancestor_matrix, depths_of, mask_tree_block
+    from onespec.speculative.tree_draft import draft_tree
+    hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
+    make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=1)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (37,), device=DEV)
+    tables = torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5]], device=DEV)
+    parents = [0, 0, 1, 1, 3, 2]
+    cache_pos = torch.cat([torch.arange(0, 10), torch.arange(20, 27)]).to(DEV)
+    rotary = torch.cat([torch.arange(0, 10), 20 + torch.tensor(depths_of(parents))]).to(DEV)
+    ancestors = ancestor_matrix(torch.tensor([parents], device=DEV), 3)
+    shape = TreeShape(3, 2, 4)
+    results = {}
+    for backend in ("torch", "triton"):
+        ops = ops_for(backend)
+        target = load_target(str(tmp_path / "target"), DEV, torch.float32, ops=ops)
+        target.setup_rotary(64, DEV)
+        head = load_eagle3_head(str(tmp_path / "head"), target.config, 3, DEV, torch.float32,
+                                ops=ops)
+        head.setup_rotary(64, DEV)
+        drafter = Eagle3Drafter(head, target, (1, 2, 3))
+        allocate_kv_cache([layer.self_attn for layer in target.model.layers], 8, 8, DEV)
+        allocate_kv_cache(drafter.attention_layers, 8, 8, DEV)
+        # request 1's prefix 0 .. 19, then request 0's chunk beside request 1's tree verify
+        pos = torch.arange(20, device=DEV)
+        meta = build_attention_metadata(tables[1:], 20, pos, 8, 20, None, backend)
+        target(ids[:20], pos, meta)
+        meta = build_attention_metadata(tables, [10, 7], cache_pos, 8, 27, None, backend)
+        meta = mask_tree_block(meta, torch.tensor([1], device=DEV),
+                               torch.tensor([20], device=DEV), ancestors)
+        hidden, captured = target(ids[20:], rotary, meta, capture=(1, 2, 3))
+        outs = [hidden, captured]
+        # draft KV to the roots at positions 9 and 5, then the tree expansion after them
+        pos = torch.cat([torch.arange(10), torch.arange(6)]).to(DEV)
+        meta = build_attention_metadata(tables, [10, 6], pos, 8, 10, None, backend)
+        h = drafter.forward(ids[:16], pos, drafter.initial_hidden(captured[:16], None), meta)
+        roots = h[torch.tensor([9, 15], device=DEV)]
+        tree = draft_tree(drafter, roots, torch.tensor([9, 5], device=DEV), tables, shape, 8,
+                          16, backend)
+        layer = drafter.attention_layers[0]
+        results[backend] = outs + [h, *tree, layer.k_cache.clone(), layer.v_cache.clone()]
+    for got, ref in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -154,7 +154,7 @@ def _tree_rows(meta: AttentionMetadata, req_index: Tensor, base: Tensor,
     idx = index - first[meta.token_req]                                  # row in request
     tree = (g >= 0) & (idx < rows)
     gi, ii = g.clamp(min=0), idx.clamp(0, rows - 1)
-    mask = ancestors[gi, ii] & tree[:, None]                             # [T, W]
+    mask = (ancestors[gi, ii] & tree[:, None]).to(torch.int8)            # [T, W]
     # rows outside a tree: a block past every position (never reached: plain causal)
     tree_base = torch.where(tree, base.to(meta.positions.dtype)[gi], 1 << 30)
     return replace(meta, tree_mask=mask, tree_base=tree_base)

@@ -129,9 +129,10 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            (1, 3))
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
-                PART_ML="*fp32", TICKETS="*i32", scale="fp32")
+                PART_ML="*fp32", TICKETS="*i32", TREE_MASK="*i8", TREE_BASE="*i64",
+                scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4}
+            "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4, "TREE": False}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     split_n, split_warps, split_stages = ta.SPLIT_CONFIG
@@ -152,6 +153,14 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            ta._paged_attention_kernel, attn,
            {**base, "ROWS": 6, "GROUP_PAD": 32, "BLOCK_N": rows_n, "SPLITS": 1, "RPR": 6,
             "RPR_PAD": 8, "IEEE": False, "MERGE_ROWS": 32}, (rows_warps, rows_stages))
+    yield ("attention bf16 tree verify (split keys, 8-row packs, ancestor masks)",
+           ta._paged_attention_kernel, attn,
+           {**base, "ROWS": 8, "GROUP_PAD": 32, "BLOCK_N": split_n, "SPLITS": ta.SPLITS,
+            "RPR": 8, "RPR_PAD": 8, "IEEE": False, "MERGE_ROWS": 32, "TREE": True},
+           (split_warps, split_stages))
+    yield ("attention bf16 tree verify (no split, ancestor masks)",
+           ta._paged_attention_kernel, attn,
+           {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False, "TREE": True}, (8, 3))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

@@ -79,6 +79,28 @@ def test_greedy_lossless_on_cuda(pair, k, kw):
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kw", [{}, {"max_num_tokens": 12},
+                                {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}],
+                         ids=["batch", "chunked", "preempt"])
+def test_tree_on_triton_equals_plain(pair, dtype, kw):
+    """Dynamic trees on the Triton backend ("auto" picks it on CUDA): tree-masked verify
+    and draft passes in the Triton attention kernel; greedy output equals plain decoding
+    on the same backend (whose CUDA graphs stay on; tree steps run eagerly)."""
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, _, head = pair
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLM(target, device="cuda", dtype=dtype, **kw).generate(PROMPTS, sp)
+    cfg = Eagle3Config(head, max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
+                       max_total_draft_tokens=10)
+    llm = LLM(target, device="cuda", dtype=dtype, speculative_config=cfg, **kw)
+    assert llm.engine.kernel_settings.triton and llm.engine.runner.graphs is None
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 @pytest.mark.parametrize("num_prompts", [3, 5])          # buckets 4 and 8: padded rows
 def test_cuda_graphs_agree_with_eager(pair, k, num_prompts):

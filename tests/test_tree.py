@@ -282,12 +282,15 @@ def test_other_targets_lossless(other_targets, name):
     assert_pool_full(llm)
 
 
-def test_unsupported_combinations_fail_clearly(pair):
+def test_unsupported_combinations_fail_clearly(pair, other_targets):
     target, _, head, _ = pair
     with pytest.raises(ValueError, match="max_num_tokens"):
         tree_llm(target, head, depth=3, top_k=4, nodes=20, max_num_tokens=16)
-    with pytest.raises(ValueError, match="attention_backend"):
-        tree_llm(target, head, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
+        tree_llm(target, head, attention_backend="triton", device="cpu")
+    # MLA's Triton kernel has no tree masks (on any device: refused before loading)
+    with pytest.raises(ValueError, match="no tree masks for DeepseekV3ForCausalLM"):
+        tree_llm(*other_targets["deepseek-v3"], attention_backend="triton")
     from onespec.structured.params import StructuredOutputsParams
     llm = tree_llm(target, head)
     with pytest.raises(ValueError, match="structured_outputs"):
@@ -297,10 +300,14 @@ def test_unsupported_combinations_fail_clearly(pair):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tree_on_cuda_float32_equals_plain(pair):
-    """On the GPU (portable attention path, float32) a tree equals plain greedy decoding."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tree_on_cuda_float32_equals_plain(pair, backend):
+    """On the GPU (float32, portable or Triton attention) a tree equals plain greedy
+    decoding (computed on the CPU)."""
     target, _, head, plain = pair
-    llm = tree_llm(target, head, depth=6, top_k=4, nodes=32, device="cuda")
+    llm = tree_llm(target, head, depth=6, top_k=4, nodes=32, device="cuda",
+                   attention_backend=backend)
+    assert llm.engine.kernel_settings.triton == (backend == "triton")
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
     assert_pool_full(llm)
 

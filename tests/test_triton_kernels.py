@@ -463,6 +463,102 @@ def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
     torch.testing.assert_close(outs[32].float(), outs[16].float(), atol=tol, rtol=tol)
 
 
+def _random_parents(batch: int, nodes: int, seed: int, padded: int = -1) -> torch.Tensor:
+    """[batch, nodes] parents of random trees (node i + 1 under a row in 0 .. i); request
+    `padded` gets the engine's padding tree (every node under the root)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.stack([torch.stack([torch.randint(0, i + 1, (), generator=gen)
+                                        for i in range(nodes)]) for _ in range(batch)])
+    if 0 <= padded < batch:
+        parents[padded] = 0
+    return parents.to(DEV)
+
+
+def _tree_attention(q, kc, vc, tables, q_lens, positions, bs, req_index, base, ancestors,
+                    **launch):
+    """The portable path's tree-masked attention (mask_tree_block over its dense mask) and
+    the Triton kernel's (the same call over the Triton metadata), as float32."""
+    from onespec.speculative.tree import mask_tree_block
+    outs = []
+    for backend in ("torch", "triton"):
+        meta = build_attention_metadata(tables, q_lens, positions, bs,
+                                        int(positions.max()) + 1, None, backend)
+        meta = mask_tree_block(meta, req_index, base, ancestors)
+        if backend == "torch" or not launch:
+            out = ops_for(backend).cached_attention(q, kc, vc, meta, 0.2)
+        else:
+            out = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions, 0.2, bs,
+                                     rows_per_request=meta.rows_per_request,
+                                     tree_mask=meta.tree_mask, tree_base=meta.tree_base,
+                                     **launch)
+        outs.append(out.float())
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (6, 2, 24)])
+@pytest.mark.parametrize("case", ["mixed", "verify-split", "verify-wide", "verify-unsplit"])
+@torch.inference_mode()
+def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, case):
+    """A tree verify (rows [t_last, n1 .. nN] of a request at cache positions P .. P + N,
+    each seeing the prefix and its own ancestors in the block): the Triton kernel with the
+    rows' ancestor masks equals the portable path's masked attention, for random trees
+    and the engine's padding tree (every node under the root), at prefixes of 2 .. 1,200
+    keys. 'mixed': prefill chunks before the tree requests (rows per request unknown, a
+    split launch of 16 rows); 'verify-split': 3 requests of N = 4, packed and split 16
+    ways; 'verify-wide': 5 requests of N = 7 (40 rows), packed and split (few programs);
+    'verify-unsplit': the same never split (one program walks every key tile)."""
+    nodes, batch, ctx = {"mixed": (5, 2, [3, 1]), "verify-split": (4, 3, []),
+                         "verify-wide": (7, 5, []), "verify-unsplit": (7, 5, [])}[case]
+    starts = [1200, 2, 700, 64, 333][:batch]
+    ctx_starts = [40, 5][:len(ctx)]
+    q_lens = ctx + [nodes + 1] * batch
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
+                                                      q_lens, ctx_starts + starts, seed=3)
+    parents = _random_parents(batch, nodes, seed=len(case), padded=1)
+    from onespec.speculative.tree import ancestor_matrix
+    ancestors = ancestor_matrix(parents, nodes)
+    req_index = torch.arange(len(ctx), len(q_lens), device=DEV)
+    base = torch.tensor(starts, device=DEV)
+    launch = {"split_programs": 0} if case == "verify-unsplit" else {}
+    want, got = _tree_attention(q, kc, vc, tables, q_lens if ctx else nodes + 1, positions,
+                                bs, req_index, base, ancestors, **launch)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert not ta._tickets[q.device].any()
+    # the mask matters: the rows with a sibling before them differ from causal attention
+    plain = TRITON_OPS.cached_attention(q, kc, vc, build_attention_metadata(
+        tables, q_lens, positions, bs, 0, None, "triton"), 0.2).float()
+    assert not torch.allclose(plain, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,depth", [(2, 3), (4, 4)])
+@torch.inference_mode()
+def test_tree_draft_pass_attention_matches_torch(dtype, top_k, depth):
+    """A tree draft pass at depth d: k frontier rows a request at draft positions
+    Q + 1 + (d - 1)·k .. Q + d·k, each seeing the draft KV up to the root Q and its own
+    ancestors' entries in the block from Q + 1: the Triton kernel equals the portable
+    path's masked attention (4 requests, so a split launch of 8 or 16 rows)."""
+    batch, width = 4, (depth - 1) * top_k
+    roots = [900, 3, 250, 40]
+    d = depth - 1                                  # the last pass: the fullest block
+    starts = [r + 1 + (d - 1) * top_k for r in roots]
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, 4, 2, 32, [top_k] * batch,
+                                                      starts, seed=5)
+    gen = torch.Generator().manual_seed(top_k)
+    ancestors = torch.zeros(batch, top_k, width, dtype=torch.bool)
+    own = torch.arange(top_k)
+    for level in range(1, d + 1):             # each frontier row: one entry a depth
+        pick = own if level == d else torch.randint(0, top_k, (batch, top_k), generator=gen)
+        ancestors[torch.arange(batch)[:, None], own, (level - 1) * top_k + pick] = True
+    base = torch.tensor(roots, device=DEV) + 1
+    want, got = _tree_attention(q, kc, vc, tables, top_k, positions, bs,
+                                torch.arange(batch, device=DEV), base, ancestors.to(DEV))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def test_num_splits_worked_examples():
     """8B shape (8 kv heads, 4 query heads each) on 132 SMs: decode-sized launches keep 16
     splits; a K = 3 verify of 8 requests (32 rows, 64 packed programs) splits 4 ways, of
@@ -593,7 +689,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 32
+    assert len(rows) == 34
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         # gdc_wait + launch_dependents (the MoE targets' kernels follow PyTorch operations)
@@ -617,3 +713,60 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert early["shared_bytes"] + qkv["shared_bytes"] + 2048 <= 228 * 1024
     late = by_name["gemv prenorm"]
     assert late["global_loads_before_release"] > late["global_loads_before_wait"], late
+
+
+@torch.inference_mode()
+def test_triton_tree_step_matches_portable_path(tmp_path):
+    """A tree step's forwards through the Triton backend equal the portable path: a target
+    forward of a prefill chunk beside a tree verify (7 rows at cache positions 20 .. 26,
+    rotated at 20 + depth, each seeing the prefix and its ancestors), and the draft head's
+    tree expansion (draft_tree: two passes of 2 frontier rows a request, each seeing the
+    draft KV to its root and its ancestors' entries) giving the same tree and draft KV."""
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.eagle3_io import load_eagle3_head
+    from onespec.models.registry import load_target
+    from onespec.speculative.eagle3 import Eagle3Drafter
+    from onespec.speculative.shape import TreeShape
+    from onespec.speculative.tree import ancestor_matrix, depths_of, mask_tree_block
+    from onespec.speculative.tree_draft import draft_tree
+    hf = make_hf_model(tmp_path / "target", "llama", num_layers=4)
+    make_eagle3_head(tmp_path / "head", hf, draft_vocab_size=64, num_layers=1)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (37,), device=DEV)
+    tables = torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5]], device=DEV)
+    parents = [0, 0, 1, 1, 3, 2]
+    cache_pos = torch.cat([torch.arange(0, 10), torch.arange(20, 27)]).to(DEV)
+    rotary = torch.cat([torch.arange(0, 10), 20 + torch.tensor(depths_of(parents))]).to(DEV)
+    ancestors = ancestor_matrix(torch.tensor([parents], device=DEV), 3)
+    shape = TreeShape(3, 2, 4)
+    results = {}
+    for backend in ("torch", "triton"):
+        ops = ops_for(backend)
+        target = load_target(str(tmp_path / "target"), DEV, torch.float32, ops=ops)
+        target.setup_rotary(64, DEV)
+        head = load_eagle3_head(str(tmp_path / "head"), target.config, 3, DEV, torch.float32,
+                                ops=ops)
+        head.setup_rotary(64, DEV)
+        drafter = Eagle3Drafter(head, target, (1, 2, 3))
+        allocate_kv_cache([layer.self_attn for layer in target.model.layers], 8, 8, DEV)
+        allocate_kv_cache(drafter.attention_layers, 8, 8, DEV)
+        # request 1's prefix 0 .. 19, then request 0's chunk beside request 1's tree verify
+        pos = torch.arange(20, device=DEV)
+        meta = build_attention_metadata(tables[1:], 20, pos, 8, 20, None, backend)
+        target(ids[:20], pos, meta)
+        meta = build_attention_metadata(tables, [10, 7], cache_pos, 8, 27, None, backend)
+        meta = mask_tree_block(meta, torch.tensor([1], device=DEV),
+                               torch.tensor([20], device=DEV), ancestors)
+        hidden, captured = target(ids[20:], rotary, meta, capture=(1, 2, 3))
+        outs = [hidden, captured]
+        # draft KV to the roots at positions 9 and 5, then the tree expansion after them
+        pos = torch.cat([torch.arange(10), torch.arange(6)]).to(DEV)
+        meta = build_attention_metadata(tables, [10, 6], pos, 8, 10, None, backend)
+        h = drafter.forward(ids[:16], pos, drafter.initial_hidden(captured[:16], None), meta)
+        roots = h[torch.tensor([9, 15], device=DEV)]
+        tree = draft_tree(drafter, roots, torch.tensor([9, 5], device=DEV), tables, shape, 8,
+                          16, backend)
+        layer = drafter.attention_layers[0]
+        results[backend] = outs + [h, *tree, layer.k_cache.clone(), layer.v_cache.clone()]
+    for got, ref in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

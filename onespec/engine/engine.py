@@ -141,7 +141,8 @@ class Engine:
                             force_acceptance_rates=sc.force_acceptance_rates if sc else None,
                             tree=self.tree)
         graphs = None
-        if config.cuda_graphs and self.kernel_settings.triton:
+        if config.cuda_graphs and self.kernel_settings.triton and self.tree is None:
+            # (tree steps run eagerly: no graphs are captured for them)
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -238,10 +239,11 @@ class Engine:
         if self.parallel and backend == "triton":
             raise ValueError("attention_backend='triton' is not available with "
                              "tensor_parallel_size > 1; use 'torch' or 'auto'")
-        if self.tree is not None:        # tree masks exist in the portable path only
-            if backend == "triton":
-                raise ValueError("attention_backend='triton' has no tree masks yet; "
-                                 "use_dynamic_tree runs on attention_backend='torch'")
+        if self.tree is not None and not getattr(target_cls, "triton_tree_masks", False):
+            if backend == "triton":       # MLA's Triton kernel has no tree masks
+                raise ValueError(f"attention_backend='triton' has no tree masks for "
+                                 f"{target_cls.__name__}; use_dynamic_tree runs on "
+                                 "attention_backend='torch' there")
             return "torch"
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and not portable_only \

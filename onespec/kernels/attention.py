@@ -98,6 +98,18 @@ def _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max, kv_head, str
 
 
 @triton.jit
+def _tree_visible(visible, n, row, row_ok, base, TREE_MASK, stride_tm, tree_width):
+    """visible [G, N] narrowed to the tree: a row's keys at positions base .. base + width - 1
+    (its request's tree block) count only where its mask byte for the key is set; keys
+    outside the block keep the causal rule."""
+    rel = n[None, :] - base[:, None]                                # [G, N]
+    inside = (rel >= 0) & (rel < tree_width)
+    bit = tl.load(TREE_MASK + row[:, None] * stride_tm + rel,
+                  mask=inside & visible & row_ok[:, None], other=0)
+    return visible & ((bit != 0) | (inside == 0))
+
+
+@triton.jit
 def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
     """One key tile's step of the online softmax for the rows' query heads [G, D]."""
     if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
@@ -105,6 +117,26 @@ def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
     else:
         s = tl.dot(q, tl.trans(k))
     visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
+    return _softmax_step(s, visible, v, scale, m, l, acc, IEEE)
+
+
+@triton.jit
+def _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr, TREE_MASK,
+                      row, row_ok, base, stride_tm, tree_width):
+    """_attend_tile with the keys in each row's tree block masked by its ancestors
+    (_tree_visible)."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
+    visible = _tree_visible(visible, n, row, row_ok, base, TREE_MASK, stride_tm, tree_width)
+    return _softmax_step(s, visible, v, scale, m, l, acc, IEEE)
+
+
+@triton.jit
+def _softmax_step(s, visible, v, scale, m, l, acc, IEEE: tl.constexpr):
+    """The online softmax state after a key tile's scores s over its `visible` keys [G, N]."""
     s = tl.where(visible, s * scale, float("-inf"))                # [G, N]
     m_new = tl.maximum(m, tl.max(s, 1))
     # a row with no visible key yet keeps exact zeros (no -inf - -inf)
@@ -122,13 +154,14 @@ def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
+        TREE_MASK, TREE_BASE,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
-        scale, window, num_kv_heads,
+        stride_tm, scale, window, num_kv_heads, tree_width,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        MERGE_ROWS: tl.constexpr = 16):
+        MERGE_ROWS: tl.constexpr = 16, TREE: tl.constexpr = False):
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
@@ -181,14 +214,24 @@ def _paged_attention_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+    if TREE:   # after the PDL wait: the rows' tree blocks (an input of the step)
+        base = tl.load(TREE_BASE + row, mask=g_ok, other=0)            # [G]
+        m, l, acc = _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE, TREE_MASK,
+                                      row, g_ok, base, stride_tm, tree_width)
+    else:
+        base = pos
+        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     for t in range(t0 + SPLITS, t_hi + 1, SPLITS):
         n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max,
                                            kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
                                            BLOCK_N)
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
-        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+        if TREE:
+            m, l, acc = _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE,
+                                          TREE_MASK, row, g_ok, base, stride_tm, tree_width)
+        else:
+            m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)
@@ -312,7 +355,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
                     block_size: int, window: int | None = None, *,
                     rows_per_request: int = 0, pdl: bool = False,
                     config: tuple[int, int, int] | None = None, splits: int = SPLITS,
-                    pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None):
+                    pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None,
+                    tree_mask: torch.Tensor | None = None,
+                    tree_base: torch.Tensor | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
@@ -327,7 +372,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     arithmetic stays the same) in split launches, or pack_tile_rows rows in others; (b)
     the keys at the rows' own positions are the only ones the kernel just before (rotary +
     KV write) may write: under PDL the other keys of the first tile, positions and block
-    tables are read before waiting for it."""
+    tables are read before waiting for it.
+
+    tree_mask [T, W] (bool or int8) with tree_base [T] (dynamic trees): row r sees a key
+    at position j in tree_base[r] .. tree_base[r] + W - 1 only if tree_mask[r, j -
+    tree_base[r]] is set (its ancestors in a tree block); keys outside that block keep the
+    causal (and window) rule. Without them the kernel has no tree code."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -365,17 +415,23 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         tickets = _ticket_counters(q.device, units)
     else:
         part_o = part_ml = tickets = out
+    tree = tree_mask is not None
+    if tree:
+        tree_mask = tree_mask.to(torch.int8).contiguous()
+        tree_base = tree_base.to(positions.dtype)
     grid = (num_rows // pack, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
+        tree_mask if tree else out, tree_base if tree else positions,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, window or NO_WINDOW,
-        num_kv_heads,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        tree_mask.stride(0) if tree else 0, scale, window or NO_WINDOW,
+        num_kv_heads, tree_mask.shape[1] if tree else 0,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        MERGE_ROWS=triton.next_power_of_2(pack * group), num_warps=warps,
+        MERGE_ROWS=triton.next_power_of_2(pack * group), TREE=tree, num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))
     return out

@@ -32,6 +32,10 @@ class AttentionMetadata:
     max_q: int = 0
     rows_per_request: int = 0               # every request's row count, if all are equal
     slots: torch.Tensor | None = None       # slot_mapping once built
+    # triton backend, dynamic trees only (speculative/tree.py, mask_tree_block): row r sees
+    # keys at tree_base[r] .. tree_base[r] + W - 1 only where tree_mask[r, key - base] is set
+    tree_mask: torch.Tensor | None = None   # [T, W] int8 (1: the key is visible)
+    tree_base: torch.Tensor | None = None   # [T]
 
     @property
     def slot_mapping(self) -> torch.Tensor:

@@ -96,6 +96,11 @@ class TritonOps(TorchOps):
     def attention(self, attn, x, positions, rotary, meta: AttentionMetadata):
         if not self.rows(x):
             return super().attention(attn, x, positions, rotary, meta)
+        if meta.tree_mask is not None:
+            # tree rows rotate at their depth, not at their cache position (which the fused
+            # rotary kernels take for both): PyTorch rotary and cache write, Triton attention
+            return self.attention_from_qkv(attn, self.linear(attn.qkv_proj, x), positions,
+                                           rotary, meta)
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
         if self.decode_sized(x) and rotary.fused_ok and \
                 qkv_rope_fusable(x, w, attn.head_dim, attn.qk_norm):
@@ -122,7 +127,7 @@ class TritonOps(TorchOps):
         return attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
-            pdl=self.pdl(q.device))
+            pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base)
 
     def routed_experts(self, experts, x, logits, router, bias=None):
         if not self.rows(x):

@@ -383,6 +383,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(PagedCausalLM):
     config_class = DeepseekV3Config
+    triton_tree_masks = False      # kernels/mla.py has no tree masks: trees run portable
 
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i, ops), ops)

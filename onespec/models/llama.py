@@ -223,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
 
     config_class = DecoderConfig
     supports_triton = True     # the fused Triton kernels serve this class (TritonOps)
+    triton_tree_masks = True   # and its attention takes dynamic trees' masks there
 
     def __init__(self, cfg: DecoderConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()

@@ -150,6 +150,7 @@ class PagedCausalLM(nn.Module):
     syncs."""
 
     supports_triton = True
+    triton_tree_masks = True   # GQA attention (TritonOps); MLA's kernel has no tree masks
 
     def __init__(self, cfg, make_layer: Callable[[int], nn.Module], ops: TorchOps = TORCH_OPS):
         super().__init__()

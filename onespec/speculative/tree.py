@@ -121,12 +121,12 @@ def forced_tree_accept(ancestors: Tensor, target: Tensor, depth: int,
 
 def mask_tree_block(meta: AttentionMetadata, req_index: Tensor, base: Tensor,
                     ancestors: Tensor) -> AttentionMetadata:
-    """A copy of the torch backend's metadata in which request req_index[g]'s rows see
+    """A copy of the metadata in which request req_index[g]'s rows see
     the keys in the block of cache positions base[g] .. base[g] + W - 1 only where
     ancestors[g, row, key - base[g]] holds ([G, R, W]); keys outside the block stay causal
     (the rows' `positions` in meta are their cache positions, not their rotary ones)."""
     if meta.mask is None:
-        raise NotImplementedError("tree masks need the torch attention backend")
+        return _tree_rows(meta, req_index, base, ancestors)
     groups, rows, width = ancestors.shape
     key = torch.arange(meta.mask.shape[-1], device=base.device)
     rel = key[None, :] - base[:, None]                                   # [G, KV]
@@ -136,6 +136,28 @@ def mask_tree_block(meta: AttentionMetadata, req_index: Tensor, base: Tensor,
     mask = meta.mask.clone()
     mask[req_index, 0, :rows] &= ~inside[:, None, :] | allowed
     return replace(meta, mask=mask)
+
+
+def _tree_rows(meta: AttentionMetadata, req_index: Tensor, base: Tensor,
+               ancestors: Tensor) -> AttentionMetadata:
+    """mask_tree_block for the Triton backend's metadata: every row gets its own mask row
+    over its request's block (`tree_mask` [T, W], `tree_base` [T]); the first R rows of
+    request req_index[g] take ancestors[g], other rows a block they never reach (causal)."""
+    groups, rows, width = ancestors.shape
+    num_rows, device = meta.token_req.shape[0], base.device
+    index = torch.arange(num_rows, device=device)
+    first = torch.full((meta.block_tables.shape[0],), num_rows, device=device)
+    first = first.scatter_reduce(0, meta.token_req, index, "amin")        # [B] first row
+    group = torch.full_like(first, -1)
+    group[req_index] = torch.arange(groups, device=device)
+    g = group[meta.token_req]                                            # [T], -1: no tree
+    idx = index - first[meta.token_req]                                  # row in request
+    tree = (g >= 0) & (idx < rows)
+    gi, ii = g.clamp(min=0), idx.clamp(0, rows - 1)
+    mask = (ancestors[gi, ii] & tree[:, None]).to(torch.int8)            # [T, W]
+    # rows outside a tree: a block past every position (never reached: plain causal)
+    tree_base = torch.where(tree, base.to(meta.positions.dtype)[gi], 1 << 30)
+    return replace(meta, tree_mask=mask, tree_base=tree_base)
 
 
 def _slots(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:

@@ -84,7 +84,7 @@ def test_greedy_lossless_on_cuda(pair, k, kw):
                                 {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}],
                          ids=["batch", "chunked", "preempt"])
 def test_tree_on_triton_equals_plain(pair, dtype, kw):
-    """Dynamic trees on the Triton backend ("auto" picks it on CUDA): tree-masked verify
+    """Dynamic trees on the Triton backend (attention_backend="triton"): tree-masked verify
     and draft passes in the Triton attention kernel; greedy output equals plain decoding
     on the same backend (whose CUDA graphs stay on; tree steps run eagerly)."""
     from onespec import LLM, Eagle3Config, SamplingParams
@@ -93,7 +93,8 @@ def test_tree_on_triton_equals_plain(pair, dtype, kw):
     plain = LLM(target, device="cuda", dtype=dtype, **kw).generate(PROMPTS, sp)
     cfg = Eagle3Config(head, max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
                        max_total_draft_tokens=10)
-    llm = LLM(target, device="cuda", dtype=dtype, speculative_config=cfg, **kw)
+    llm = LLM(target, device="cuda", dtype=dtype, speculative_config=cfg,
+              attention_backend="triton", **kw)
     assert llm.engine.kernel_settings.triton and llm.engine.runner.graphs is None
     outs = llm.generate(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -245,6 +245,8 @@ class Engine:
                                  f"{target_cls.__name__}; use_dynamic_tree runs on "
                                  "attention_backend='torch' there")
             return "torch"
+        if self.tree is not None and backend == "auto":
+            return "torch"      # tree masks on Triton are opt-in until measured on a GPU
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and not portable_only \
                 and not self.parallel else "torch"

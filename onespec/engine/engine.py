@@ -239,14 +239,14 @@ class Engine:
         if self.parallel and backend == "triton":
             raise ValueError("attention_backend='triton' is not available with "
                              "tensor_parallel_size > 1; use 'torch' or 'auto'")
-        if self.tree is not None and not getattr(target_cls, "triton_tree_masks", False):
-            if backend == "triton":       # MLA's Triton kernel has no tree masks
+        if self.tree is not None:
+            tree_masks = getattr(target_cls, "triton_tree_masks", False)
+            if backend == "triton" and not tree_masks:   # MLA's kernel has no tree masks
                 raise ValueError(f"attention_backend='triton' has no tree masks for "
                                  f"{target_cls.__name__}; use_dynamic_tree runs on "
                                  "attention_backend='torch' there")
-            return "torch"
-        if self.tree is not None and backend == "auto":
-            return "torch"      # tree masks on Triton are opt-in until measured on a GPU
+            if backend != "triton":   # Triton tree masks are opt-in until run on a GPU
+                return "torch"
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and not portable_only \
                 and not self.parallel else "torch"

@@ -110,27 +110,18 @@ def _tree_visible(visible, n, row, row_ok, base, TREE_MASK, stride_tm, tree_widt
 
 
 @triton.jit
-def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr):
-    """One key tile's step of the online softmax for the rows' query heads [G, D]."""
+def _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr, TREE: tl.constexpr,
+                 TREE_MASK, row, row_ok, base, stride_tm, tree_width):
+    """One key tile's step of the online softmax for the rows' query heads [G, D]; with
+    TREE, the keys in each row's tree block are masked by its ancestors (_tree_visible)."""
     if IEEE:   # float32, or Triton's interpreter (whose bf16 dot is wrong)
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
-    return _softmax_step(s, visible, v, scale, m, l, acc, IEEE)
-
-
-@triton.jit
-def _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE: tl.constexpr, TREE_MASK,
-                      row, row_ok, base, stride_tm, tree_width):
-    """_attend_tile with the keys in each row's tree block masked by its ancestors
-    (_tree_visible)."""
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    visible = (n[None, :] <= pos[:, None]) & (n[None, :] >= lo[:, None])
-    visible = _tree_visible(visible, n, row, row_ok, base, TREE_MASK, stride_tm, tree_width)
+    if TREE:
+        visible = _tree_visible(visible, n, row, row_ok, base, TREE_MASK, stride_tm,
+                                tree_width)
     return _softmax_step(s, visible, v, scale, m, l, acc, IEEE)
 
 
@@ -216,22 +207,18 @@ def _paged_attention_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     if TREE:   # after the PDL wait: the rows' tree blocks (an input of the step)
         base = tl.load(TREE_BASE + row, mask=g_ok, other=0)            # [G]
-        m, l, acc = _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE, TREE_MASK,
-                                      row, g_ok, base, stride_tm, tree_width)
     else:
         base = pos
-        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+    m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE, TREE, TREE_MASK,
+                             row, g_ok, base, stride_tm, tree_width)
     for t in range(t0 + SPLITS, t_hi + 1, SPLITS):
         n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max,
                                            kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
                                            BLOCK_N)
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
-        if TREE:
-            m, l, acc = _attend_tree_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE,
-                                          TREE_MASK, row, g_ok, base, stride_tm, tree_width)
-        else:
-            m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE)
+        m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE, TREE,
+                                 TREE_MASK, row, g_ok, base, stride_tm, tree_width)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)

@@ -204,6 +204,8 @@ class SpecWorker:
         h = self._first_pass(inp, hidden, captured, context_tokens, accepted)
         if k == 0:
             return empty, None
+        if len(inp.draft_reqs) == 0:    # prompt chunks only, none ending its prompt: their
+            return empty.new_empty(0, k), None      # draft KV is written, nothing to draft
         h, pos, block_tables = self._roots(inp, h, num_accepted, k + 1)
         drafts, probs = [], []
         meta = None

@@ -1,4 +1,4 @@
-"""Megatron-style sharding of a Llama-family decoder over the tensor-parallel ranks.
+"""Megatron-style sharding of a target decoder over the tensor-parallel ranks.
 
     qkv_proj, gate_up_proj   column-parallel: each rank holds its heads' / its share of
                              the intermediate rows, no communication
@@ -11,9 +11,24 @@
 
 KV heads are split with the query heads; with fewer KV heads than ranks each KV head is
 held by the world_size / Hkv ranks whose query heads read it. The vocabulary is padded to a
-multiple of world_size (zero rows at the end of the last shard, never picked). The model
-is sharded on the meta device before any weight is loaded, and shard_weights slices each
-checkpoint tensor to this rank's part as it streams in, so no rank holds the full model.
+multiple of world_size (zero rows at the end of the last shard, never picked).
+
+MLA (DeepSeek-V3) is split by heads: q_b_proj (or q_proj) and kv_b_proj column-parallel,
+o_proj row-parallel. The low-rank parts (q_a_proj, kv_a_proj_with_mqa and their norms)
+are replicated: the latent [c_kv, k_pe] is one per token for all heads, so every rank
+computes and caches the whole of it and expands it through its own heads' kv_b rows.
+
+An MoE block splits every expert the way a dense MLP is split: each rank holds every
+expert's share of the intermediate rows (gate/up rows, down columns), the router is
+replicated (the residual stream is whole on every rank, so each routes alike), and shared
+experts are split likewise. The routed and shared experts' partial sums are added before
+the block's one all-reduce. Each rank does an equal share of every routed pair's work
+whatever the routing, where expert parallelism (whole experts per rank) would leave
+ranks idle when the batch's tokens pick one rank's experts.
+
+The model is sharded on the meta device before any weight is loaded, and shard_weights
+slices each checkpoint tensor to this rank's part as it streams in, so no rank holds the
+full model.
 """
 from __future__ import annotations
 
@@ -24,8 +39,19 @@ from torch import nn
 from onespec.distributed.group import TensorParallel
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TorchOps
+from onespec.models.deepseek_v3 import DeepseekV3Config, MLAttention
+from onespec.models.llama import MLP
+from onespec.models.moe import Experts
+from onespec.models.qwen3_moe import Qwen3MoeConfig
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+             "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+MOE_CONFIGS = {"Qwen3MoeForCausalLM": Qwen3MoeConfig, "DeepseekV3ForCausalLM": DeepseekV3Config}
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# checkpoint modules split by output rows (column-parallel: a rank's heads' or intermediate
+# rows) and by input columns (row-parallel); k_proj / v_proj go by KV heads (kv_head_range)
+COLUMN_PARALLEL = ("q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def check_tensor_parallel(cfg: dict, size: int):
@@ -37,15 +63,31 @@ def check_tensor_parallel(cfg: dict, size: int):
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {arch or archs!r} "
                          f"(supported: {SUPPORTED}); use tensor_parallel_size=1")
     heads = cfg.get("num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    inter = cfg.get("intermediate_size")
     if not isinstance(heads, int) or heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
-    if kv_heads % size and size % kv_heads:
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if arch not in MLA_ARCHITECTURES and kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: "
                          "one must divide the other")
-    if not isinstance(inter, int) or inter % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={inter}")
+    for name, value in _mlp_sizes(cfg, arch).items():
+        if not isinstance(value, int) or value % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide {name}={value}")
+
+
+def _mlp_sizes(cfg: dict, arch: str) -> dict[str, int]:
+    """The intermediate sizes the layers' MLPs split (MTP layers included): dense MLPs'
+    intermediate_size, MoE experts' moe_intermediate_size (shared experts are multiples)."""
+    if arch not in MOE_CONFIGS:
+        return {"intermediate_size": cfg.get("intermediate_size")}
+    c = MOE_CONFIGS[arch].from_hf(cfg)
+    num_layers = c.num_hidden_layers + getattr(c, "num_nextn_predict_layers", 0)
+    moe = [c.is_moe_layer(i) for i in range(num_layers)]
+    sizes = {}
+    if not all(moe):
+        sizes["intermediate_size"] = c.intermediate_size
+    if any(moe):
+        sizes["moe_intermediate_size"] = c.moe_intermediate_size
+    return sizes
 
 
 class RowParallelLinear(nn.Linear):
@@ -122,25 +164,79 @@ def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def shard_decoder(model: nn.Module, tp: TensorParallel):
-    """Replaces a (meta-device) LlamaForCausalLM's layers by this rank's shards."""
+    """Replaces a (meta-device) target's layers, embedding and LM head by this rank's
+    shards."""
     cfg = model.config
-    hidden, vocab = cfg.hidden_size, cfg.vocab_size
-    kv_first, kv_end = kv_head_range(cfg.num_key_value_heads, tp)
-    inter = cfg.intermediate_size // tp.world_size
+    for layer in model.model.layers:
+        shard_layer(layer, tp)
     with torch.device("meta"):
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.num_heads = cfg.num_attention_heads // tp.world_size
-            attn.num_kv_heads = kv_end - kv_first
-            attn.q_size, attn.kv_size = (attn.num_heads * attn.head_dim,
-                                         attn.num_kv_heads * attn.head_dim)
-            attn.qkv_proj = nn.Linear(hidden, attn.q_size + 2 * attn.kv_size,
-                                      bias=cfg.attention_bias)
-            attn.o_proj = RowParallelLinear(attn.q_size, hidden, False, tp)
-            mlp.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=cfg.mlp_bias)
-            mlp.down_proj = RowParallelLinear(inter, hidden, cfg.mlp_bias, tp)
-        model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
-        model.lm_head = ParallelLMHead(hidden, vocab, tp)
+        model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        model.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+
+
+def shard_layer(layer: nn.Module, tp: TensorParallel):
+    """A (meta-device) decoder layer's attention (GQA or MLA) and MLP (dense or MoE)
+    replaced by this rank's shards, in place."""
+    with torch.device("meta"):
+        if isinstance(layer.self_attn, MLAttention):
+            _shard_mla(layer.self_attn, tp)
+        else:
+            _shard_attention(layer.self_attn, tp)
+        if isinstance(layer.mlp, MLP):
+            _shard_mlp(layer.mlp, tp)
+        else:
+            _shard_moe(layer.mlp, tp)
+
+
+def _column(linear: nn.Linear, out_features: int) -> nn.Linear:
+    return nn.Linear(linear.in_features, out_features, bias=linear.bias is not None)
+
+
+def _row(linear: nn.Linear, in_features: int, tp: TensorParallel) -> RowParallelLinear:
+    return RowParallelLinear(in_features, linear.out_features, linear.bias is not None, tp)
+
+
+def _shard_attention(attn: nn.Module, tp: TensorParallel):
+    """GQA (models/llama.py Attention): this rank's query heads and their KV heads."""
+    kv_first, kv_end = kv_head_range(attn.num_kv_heads, tp)
+    attn.num_heads //= tp.world_size
+    attn.num_kv_heads = kv_end - kv_first
+    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    attn.qkv_proj = _column(attn.qkv_proj, attn.q_size + 2 * attn.kv_size)
+    attn.o_proj = _row(attn.o_proj, attn.q_size, tp)
+
+
+def _shard_mla(attn: MLAttention, tp: TensorParallel):
+    """MLA: this rank's heads' query and kv_b rows, o_proj columns; the rest whole."""
+    attn.num_heads //= tp.world_size
+    qk = attn.num_heads * (attn.nope_dim + attn.rope_dim)
+    if attn.q_lora:
+        attn.q_b_proj = _column(attn.q_b_proj, qk)
+    else:
+        attn.q_proj = _column(attn.q_proj, qk)
+    attn.kv_b_proj = _column(attn.kv_b_proj, attn.num_heads * (attn.nope_dim + attn.v_dim))
+    attn.o_proj = _row(attn.o_proj, attn.num_heads * attn.v_dim, tp)
+
+
+def _shard_mlp(mlp: MLP, tp: TensorParallel, reduce: bool = True):
+    """This rank's intermediate rows; `reduce`: down_proj all-reduces its partial sums
+    (else the caller does, once for several partial sums)."""
+    inter = mlp.down_proj.in_features // tp.world_size
+    mlp.gate_up_proj = _column(mlp.gate_up_proj, 2 * inter)
+    mlp.down_proj = _row(mlp.down_proj, inter, tp) if reduce else \
+        nn.Linear(inter, mlp.down_proj.out_features, bias=False)    # MoE MLPs have no bias
+
+
+def _shard_moe(moe: nn.Module, tp: TensorParallel):
+    """Every expert's share of the intermediate rows, shared experts' too; the router
+    whole. The block's output (routed + shared partial sums) is all-reduced once, by a
+    forward hook, so the model's code is unchanged."""
+    experts = moe.experts
+    _, hidden, inter = experts.down_proj.shape
+    moe.experts = Experts(experts.num_experts, hidden, inter // tp.world_size, experts.ops)
+    if getattr(moe, "shared_experts", None) is not None:
+        _shard_mlp(moe.shared_experts, tp, reduce=False)
+    moe.register_forward_hook(lambda _module, _args, out: tp.all_reduce(out))
 
 
 def _slice(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
@@ -158,21 +254,28 @@ def _vocab_rows(t: torch.Tensor, cfg, tp: TensorParallel) -> torch.Tensor:
 
 def shard_weights(weights, cfg, tp: TensorParallel):
     """(name, tensor) checkpoint pairs -> the same names with this rank's part of each
-    tensor (q/k/v, gate/up rows; o/down columns; embedding and LM head vocabulary rows)."""
-    d = cfg.head_dim
-    q = tp.shard_range(cfg.num_attention_heads)
-    kv = kv_head_range(cfg.num_key_value_heads, tp)
-    inter = tp.shard_range(cfg.intermediate_size)
-    rows = {"q_proj": (q[0] * d, q[1] * d), "k_proj": (kv[0] * d, kv[1] * d),
-            "v_proj": (kv[0] * d, kv[1] * d), "gate_proj": inter, "up_proj": inter}
-    cols = {"o_proj": (q[0] * d, q[1] * d), "down_proj": inter}
+    tensor: q/k/v, q_b/kv_b and gate/up rows (experts' too), o/down columns, embedding and
+    LM head vocabulary rows; anything else (norms, routers, MLA's low-rank parts) whole."""
     for name, t in weights:
-        parts = name.split(".")
-        module = parts[-2] if len(parts) > 1 else ""
-        if module in rows:
-            t = _slice(t, 0, *rows[module])
-        elif module in cols and parts[-1] == "weight":
-            t = _slice(t, 1, *cols[module])
-        elif module in ("embed_tokens", "lm_head"):
-            t = _vocab_rows(t, cfg, tp)
-        yield name, t
+        yield name, _shard_tensor(name, t, cfg, tp)
+
+
+def _shard_tensor(name: str, t: torch.Tensor, cfg, tp: TensorParallel) -> torch.Tensor:
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) > 1 else ("", name)
+    if module in ("k_proj", "v_proj"):
+        first, end = kv_head_range(cfg.num_key_value_heads, tp)
+        return _slice(t, 0, first * cfg.head_dim, end * cfg.head_dim)
+    if module in COLUMN_PARALLEL:
+        return _slice(t, 0, *tp.shard_range(t.shape[0]))
+    if module in ROW_PARALLEL and leaf == "weight":
+        return _slice(t, 1, *tp.shard_range(t.shape[1]))
+    if module == "experts" and leaf == "gate_up_proj":     # stacked [E, 2I, H], gate first
+        gate, up = t.chunk(2, dim=1)
+        return torch.cat([_slice(gate, 1, *tp.shard_range(gate.shape[1])),
+                          _slice(up, 1, *tp.shard_range(up.shape[1]))], dim=1)
+    if module == "experts" and leaf == "down_proj":        # stacked [E, H, I]
+        return _slice(t, 2, *tp.shard_range(t.shape[2]))
+    if module in ("embed_tokens", "lm_head") or name.endswith("shared_head.head.weight"):
+        return _vocab_rows(t, cfg, tp)
+    return t

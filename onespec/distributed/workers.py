@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from onespec.config import AUTO_DRAFT_LEN, MTPConfig
+from onespec.config import AUTO_DRAFT_LEN
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 from onespec.distributed.layers import check_tensor_parallel
 from onespec.models.loader import read_config
@@ -71,8 +71,6 @@ def start_workers(config, speculative_config) -> "Workers | None":
     if size == 1:
         return None
     check_tensor_parallel(read_config(config.model), size)
-    if isinstance(speculative_config, MTPConfig):
-        raise ValueError("tensor_parallel_size > 1 is not supported with MTP drafting")
     if getattr(speculative_config, "draft_len_schedule", None) == AUTO_DRAFT_LEN:
         raise ValueError(f"tensor_parallel_size > 1 is not supported with draft_len_schedule="
                          f"{AUTO_DRAFT_LEN!r} (its start-up timing runs on one rank); give a "

@@ -179,7 +179,8 @@ class Engine:
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
         if isinstance(sc, MTPConfig):
             head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
-                                 self.dtype, dummy=self.config.load_format == "dummy")
+                                 self.dtype, dummy=self.config.load_format == "dummy",
+                                 parallel=self.parallel)
             return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = self.model.config.num_hidden_layers

@@ -7,6 +7,16 @@ Layer i lives under `model.layers.{num_hidden_layers + i}.` (transformers drops 
     logits = shared_head.head(out)                              # the target's lm_head if absent
 
 `embed_tokens` and `shared_head.head` are optional (the target's are used without them).
+
+Under tensor parallelism the MTP layers are sharded, not replicated as the EAGLE-3 head is:
+an MTP block is a whole decoder layer of the target (MLA and, in DeepSeek-V3, a full MoE
+layer of experts), so a replicated copy would cost every rank a whole layer's weights and
+expert work each draft step, where an EAGLE-3 head is one small dense layer. The block is
+split as the target's layers are (distributed/layers.py shard_layer), an own embedding and
+head vocabulary-parallel as the target's; enorm, hnorm, eh_proj and shared_head.norm are
+whole on every rank. Every output the next draft step reads (the block's residual stream
+after its all-reduces, the greedy ids of the vocabulary-parallel head, gathered logits) is
+the same bytes on every rank, so the ranks draft the same tokens.
 """
 from __future__ import annotations
 
@@ -15,6 +25,8 @@ import re
 import torch
 from torch import nn
 
+from onespec.distributed.layers import (ParallelLMHead, VocabParallelEmbedding, shard_layer,
+                                        shard_weights)
 from onespec.layers.norm import RMSNorm
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights
 
@@ -73,10 +85,21 @@ def _mtp_rename(num_target_layers: int, num_layers: int):
     return rename
 
 
+def _shard(layer: MTPLayer, cfg, tp):
+    """A (meta-device) MTP layer split as the target's layers are (module docstring)."""
+    shard_layer(layer.block, tp)
+    with torch.device("meta"):
+        if layer.embed_tokens is not None:
+            layer.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        if layer.shared_head.head is not None:
+            layer.shared_head.head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+
+
 def load_mtp_head(path: str, target, num_layers: int, device, dtype,
-                  dummy: bool = False) -> MTPHead:
+                  dummy: bool = False, parallel=None) -> MTPHead:
     """MTP layers 0..num_layers-1 of the checkpoint at `path`, for `target` (a model with
-    make_decoder_layer and make_rotary, e.g. DeepseekV3ForCausalLM)."""
+    make_decoder_layer and make_rotary, e.g. DeepseekV3ForCausalLM); `parallel` (a
+    distributed.TensorParallel): this rank's shards only."""
     cfg = target.config
     if not hasattr(target, "make_decoder_layer"):
         raise ValueError(f"MTP drafting needs a target with MTP layers (DeepSeek-V3 family); "
@@ -87,8 +110,11 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
                          f"{num_layers} were asked for (MTP-Eagle needs 1, vanilla MTP one "
                          "per draft)")
     rename = _mtp_rename(cfg.num_hidden_layers, num_layers)
-    weights = {} if dummy else {n: t for raw, t in iter_weights(path, "loading MTP layers")
-                                if (n := rename(raw)) is not None}
+    weights = ((n, t) for raw, t in iter_weights(path, "loading MTP layers")
+               if (n := rename(raw)) is not None)
+    if parallel is not None:    # copied: no slice keeps a whole checkpoint tensor alive
+        weights = ((n, t.clone()) for n, t in shard_weights(weights, cfg, parallel))
+    weights = {} if dummy else dict(weights)
     if not dummy and not weights:
         raise ValueError(f"checkpoint {path!r} holds no weights under model.layers."
                          f"{cfg.num_hidden_layers}.* although its config.json declares "
@@ -99,6 +125,8 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
                            own_embed=f"layers.{i}.embed_tokens.weight" in weights,
                            own_head=f"layers.{i}.shared_head.head.weight" in weights)
                   for i in range(num_layers)]
+        for layer in layers if parallel is not None else []:
+            _shard(layer, cfg, parallel)
         head = MTPHead(layers, target)
     head.to_empty(device=device if dummy else "cpu")
     if dummy:

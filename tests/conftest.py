@@ -95,6 +95,24 @@ def assert_drafts_match_reference(llm, prompts, params, reference, k: int):
     assert_pool_full(llm)
 
 
+def step_beside_one_rank(llm, one, prompts, params):
+    """Steps a tensor-parallel engine and a one-rank engine in lockstep on the same requests,
+    asserting the same drafts after every step; -> the parallel engine's requests."""
+    engines = (llm.engine, one.engine)
+    reqs = [[e.add_request(p, params) for p in prompts] for e in engines]
+    num_drafts = 0
+    while engines[1].has_unfinished():
+        for e in engines:
+            e.step()
+        assert [r.draft_tokens for r in reqs[0]] == [r.draft_tokens for r in reqs[1]]
+        num_drafts += sum(len(r.draft_tokens) for r in reqs[0])
+    assert not engines[0].has_unfinished() and num_drafts > 0
+    assert [r.metrics.target_steps for r in reqs[0]] == \
+        [r.metrics.target_steps for r in reqs[1]]
+    assert llm.stats() == one.stats()
+    return reqs[0]
+
+
 def make_eagle3_head(path, target_model, fmt: str = "safeailab", draft_vocab_size=None,
                      seed: int = 1, aux_layer_ids=None, norm_before_residual: bool = False,
                      own_embedding: bool = False, num_layers: int = 1):

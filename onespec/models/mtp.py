@@ -125,8 +125,9 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
                            own_embed=f"layers.{i}.embed_tokens.weight" in weights,
                            own_head=f"layers.{i}.shared_head.head.weight" in weights)
                   for i in range(num_layers)]
-        for layer in layers if parallel is not None else []:
-            _shard(layer, cfg, parallel)
+        if parallel is not None:
+            for layer in layers:
+                _shard(layer, cfg, parallel)
         head = MTPHead(layers, target)
     head.to_empty(device=device if dummy else "cpu")
     if dummy:

@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -286,3 +287,30 @@ def test_mtp_greedy_equals_plain_under_constraints(tmp_path, vanilla, k):
         check(kind, value, r.outputs[0].text)
     assert llm.stats()["num_accepted_draft_tokens"] > 0
     assert_pool_full(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k,forced", [(0, None), (3, None), (3, 4.0)])
+def test_constrained_steps_from_cuda_graphs_equal_eager_steps(k, forced):
+    """Generation batches with constrained requests run from CUDA graphs (the host fills the
+    masks between the verify graph and each draft step's graph): the same tokens as eager
+    steps, for a batch mixing schemas, a regex, a choice and a free request, padded to a
+    bucket, with and without forced acceptance."""
+    cases = [CASES[0], CASES[1], CASES[5], CASES[6]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases) + 1)]
+    params = [constrained(so) for _, _, so in cases] + [SamplingParams(max_tokens=MAX_TOKENS)]
+    spec = Eagle3Config(HEAD_DIR, max_draft_len=k, force_acceptance_length=forced) \
+        if k else None
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(TARGET_DIR, device="cuda", dtype="float32", cuda_graphs=graphs,
+                  max_batch_size=8, speculative_config=spec)
+        out = llm.generate(prompts, params)
+        runs.append([o.outputs[0].token_ids for o in out])
+        for (kind, value, _), o in zip(cases, out):
+            assert o.outputs[0].finish_reason == "stop", (kind, o.outputs[0].text)
+            check(kind, value, o.outputs[0].text)
+        assert_pool_full(llm)
+        if graphs:
+            assert llm.engine.runner.graphs.num_constrained > 0
+    assert runs[0] == runs[1]

@@ -25,6 +25,19 @@ from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
 from onespec.speculative.worker import SpecWorker, StepInputs
+from onespec.structured.step import GraphMasks, StepGrammar
+
+
+@dataclass
+class ConstrainedGraphs:
+    """A bucket's step for batches with grammar-constrained requests, in K + 1 graphs:
+    `verify` (the target, masked acceptance, draft step 0's forward) and one per draft step
+    (its forward and masked pick). Between them the host reads the tokens just chosen and
+    fills the next graph's masks (`masks`)."""
+    verify: torch.cuda.CUDAGraph
+    drafts: list
+    masks: GraphMasks
+    results: torch.Tensor          # accepted rows [b, k+1], counts [b], drafts [b, k]
 
 
 @dataclass
@@ -54,6 +67,9 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
         self.num_replays = 0
+        self.constrained: dict[tuple, ConstrainedGraphs] = {}   # (bucket, K, forced)
+        self.constrained_pool = torch.cuda.graph_pool_handle()
+        self.num_constrained = 0    # constrained steps run from graphs
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
 
@@ -106,26 +122,29 @@ class CudaGraphRunner:
         from onespec.kernels.chain import chain_inputs   # Triton: only where graphs run
         buf = buf or self._buffers(k)
         layout = self._layout(b, k)
-        o_ids, o_pos, o_drafts, o_tables, _, _ = layout
-        dev = buf["dev"]
-        chain_inputs(dev, buf["prev"], layout, b, k)
+        chain_inputs(buf["dev"], buf["prev"], layout, b, k)
+        res = self.worker.step(self._inputs(b, k, buf["dev"]))
+        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
+        buf["prev"][:out.numel()].copy_(out)
+
+    def _inputs(self, b: int, k: int, dev: torch.Tensor, grammar=None) -> StepInputs:
+        """The step inputs of bucket b, views of the device input buffer `dev`."""
+        o_ids, o_pos, o_drafts, o_tables, _, _ = self._layout(b, k)
         rows = b * (k + 1)
         ids, pos = dev[o_ids:o_pos], dev[o_pos:o_drafts]
         tables = dev[o_tables:o_tables + b * self.width].view(b, self.width)
         meta = build_attention_metadata(tables, k + 1, pos, self.block_size,
                                         sliding_window=self.sliding_window, backend="triton")
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        inp = StepInputs(
+        return StepInputs(
             input_ids=ids, positions=pos, meta=meta, block_tables=tables, num_ctx=0,
             num_gen=b, k=k, logit_rows=torch.arange(rows, device=self.device),
             ctx_last_rows=empty, draft_ctx_rows=empty,
             draft_reqs=torch.arange(b, device=self.device), gen_start=0,
             shift_ids=torch.full_like(ids, -1), draft_tokens=dev[o_drafts:o_tables].view(b, k),
             draft_probs=None, row_sampling=self.greedy(rows), gen_sampling=self.greedy(b),
-            draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size)
-        res = self.worker.step(inp)
-        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
-        buf["prev"][:out.numel()].copy_(out)
+            draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size,
+            grammar=grammar)
 
     def _fill_inputs(self, reqs, b: int, k: int, host: torch.Tensor, chained: bool = False):
         """Writes the step's inputs into a pinned host buffer in bucket b's layout; rows
@@ -258,6 +277,87 @@ class CudaGraphRunner:
         base = rows + b
         next_drafts = [flat[base + i * k:base + (i + 1) * k] for i in range(n)]
         return num_acc, accepted, next_drafts
+
+    # ---- steps with grammar-constrained requests --------------------------------------
+    def run_constrained(self, batch: ScheduledBatch, grammar: StepGrammar
+                        ) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Runs a batch with grammar-constrained requests (can_run) from its bucket's
+        ConstrainedGraphs, synchronously: K + 1 replays, the host filling each one's masks
+        from the matchers (StepGrammar) in between. Returns what collect does."""
+        reqs, k = batch.generation, batch.k
+        n, b = len(reqs), self.bucket(len(reqs))
+        key = (b, k, self.worker.forced_key)
+        if key not in self.constrained:
+            self._capture_constrained(b, k)
+        cg = self.constrained[key]
+        buf = self._buffers(k)
+        slot = buf["next"]
+        buf["next"] ^= 1
+        buf["events"][slot].synchronize()
+        end = self._layout(b, k)[-1]
+        self._fill_inputs(reqs, b, k, buf["host"][slot])
+        buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
+        cg.masks.set_verify(grammar)
+        cg.verify.replay()
+        rows = b * (k + 1)
+        head = cg.results[:rows + b].tolist()                    # waits for the verify
+        accepted = [head[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
+        num_acc = head[rows:rows + n]
+        drafts = cg.results[rows + b:].view(b, k)
+        mask = grammar.start([], accepted, num_acc) if k else None
+        for j, graph in enumerate(cg.drafts):
+            cg.masks.set_draft(mask)
+            graph.replay()
+            if j < k - 1:                                         # waits for the draft step
+                mask = grammar.advance(drafts[:n, j].tolist())
+        self.num_constrained += 1
+        return num_acc, accepted, drafts[:n].tolist() if cg.drafts else [[] for _ in reqs]
+
+    def _capture_constrained(self, b: int, k: int):
+        """Captures bucket b's ConstrainedGraphs (after a warm-up run compiles its kernels).
+        The draft-step graphs continue from tensors the verify graph leaves (the DraftLoop),
+        which stay referenced, so no later capture in the pool takes their memory."""
+        buf = self._buffers(k)
+        torch.cuda.synchronize(self.device)
+        end = self._layout(b, k)[-1]
+        self._fill_inputs([], b, k, buf["host"][0])              # all padding
+        buf["dev"][:end].copy_(buf["host"][0][:end])
+        masks = GraphMasks(b, k, self.worker.target.config.vocab_size, self.device)
+        results = torch.zeros(self._results_size(b, k), dtype=torch.int64, device=self.device)
+        rows = b * (k + 1)
+        drafts = results[rows + b:].view(b, k)
+
+        def segments(graphs=None):
+            """Runs the verify and each draft step, each captured into graphs[i] if given."""
+            def run(i, fn):
+                if graphs is None:
+                    return fn()
+                with torch.cuda.graph(graphs[i], pool=self.constrained_pool):
+                    return fn()
+
+            inp = self._inputs(b, k, buf["dev"], masks)
+
+            def verify():
+                _, accepted, num_accepted, loop = self.worker.verify(inp)
+                results[:rows + b].copy_(torch.cat([accepted.reshape(-1), num_accepted]))
+                return loop
+
+            loop = run(0, verify)
+            for j in range(k if loop is not None else 0):   # (no drafter: host drafts)
+                run(j + 1, lambda: drafts[:, j].copy_(
+                    self.worker.draft_next(inp, loop, j, masks.draft)))
+            return loop is not None
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            segments()                                            # warm-up
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graphs = [torch.cuda.CUDAGraph() for _ in range(k + 1)]
+        with torch.inference_mode():
+            drafting = segments(graphs)
+        self.constrained[(b, k, self.worker.forced_key)] = ConstrainedGraphs(
+            graphs[0], graphs[1:] if drafting else [], masks, results)
 
     def standalone(self, key: tuple) -> torch.cuda.CUDAGraph:
         """Graph `key`, to replay outside the engine (profiling): its inputs as the last

@@ -40,6 +40,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput:
         if self.can_launch(batch):
             return self.collect(self.launch(batch))
+        if self.graphs is not None and self.graphs.can_run(batch):   # constrained requests
+            return self._run_constrained(batch)
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
@@ -72,6 +74,19 @@ class ModelRunner:
             relaxed=relaxed or None,
             draft_parents=parents if tree else None,
         )
+
+    def _run_constrained(self, batch: ScheduledBatch) -> StepOutput:
+        """A generation batch with grammar-constrained requests, from CUDA graphs: the
+        matchers fill each graph's masks on the host in between (CudaGraphRunner)."""
+        k = batch.k
+        drafts = [self._verified_drafts(r, k)[0] for r in batch.generation]
+        grammar = StepGrammar(self.grammar_backend, batch, drafts,
+                              list(range(len(batch.generation))), self.device)
+        try:
+            num_acc, accepted, next_drafts = self.graphs.run_constrained(batch, grammar)
+        finally:          # the matchers keep only what postprocess feeds them
+            grammar.rollback()
+        return StepOutput([], accepted, num_acc, next_drafts)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as a graph step that can be launched and collected later

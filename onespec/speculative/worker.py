@@ -6,7 +6,7 @@ All work stays on the device; the caller copies the small results to the host on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,22 @@ class StepInputs:
     relaxed_delta: torch.Tensor | None = None  # [Bg] thinking delta (relaxed acceptance)
     grammar: StepGrammar | None = None   # masks of constrained requests (structured outputs)
     tree: TreeInputs | None = None       # tree verify of the generation requests (trees)
+
+
+@dataclass
+class DraftLoop:
+    """The draft loop's state between its steps: hidden rows, positions and block tables
+    of the drafting requests, the attention metadata of the last step, drafts so far."""
+    h: torch.Tensor                        # [Bd, H]
+    pos: torch.Tensor | None               # [Bd]
+    block_tables: torch.Tensor | None      # [Bd, nb]
+    meta: AttentionMetadata | None = None
+    tokens: list = field(default_factory=list)   # [Bd] target ids per step
+    probs: list = field(default_factory=list)    # [Bd, V] q per step (rejection sampling)
+
+    def result(self, with_probs: bool):
+        """drafts [Bd, K] and, with rejection sampling, their q [Bd, K, V]."""
+        return torch.stack(self.tokens, 1), torch.stack(self.probs, 1) if with_probs else None
 
 
 @dataclass
@@ -128,7 +144,7 @@ class SpecWorker:
         if self._forcing(bg):
             num_accepted = self._forced_num_accepted(bg, k, rows.device)
             if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
-                valid = torch.tensor(inp.grammar.valid_drafts, device=rows.device)  # the
+                valid = inp.grammar.valid_drafts_on(rows.device)                    # the
                 num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
                 accepted = forced_run(inp.draft_tokens, accepted, num_accepted)
         return tokens, accepted, num_accepted
@@ -196,35 +212,56 @@ class SpecWorker:
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
                  num_accepted):
-        k = inp.k
-        empty = torch.empty(len(inp.draft_reqs), 0, dtype=torch.int64,
-                            device=inp.input_ids.device)
-        if self.drafter is None:
-            return empty, None
-        h = self._first_pass(inp, hidden, captured, context_tokens, accepted)
-        if k == 0:
-            return empty, None
-        if len(inp.draft_reqs) == 0:    # prompt chunks only, none ending its prompt: their
-            return empty.new_empty(0, k), None      # draft KV is written, nothing to draft
-        h, pos, block_tables = self._roots(inp, h, num_accepted, k + 1)
-        drafts, probs = [], []
-        meta = None
+        loop = self.draft_begin(inp, hidden, captured, context_tokens, accepted, num_accepted)
+        if loop is None:
+            return inp.input_ids.new_empty(len(inp.draft_reqs), 0), None
         grammar = inp.grammar
-        mask = None if grammar is None else grammar.start(context_tokens, accepted, num_accepted)
-        for step in range(k):
-            if step > 0:
-                pos = pos + 1
-                meta = build_attention_metadata(block_tables, 1, pos, inp.block_size,
-                                                inp.max_kv_draft, None, self.attn_backend) \
-                    if meta is None else advance_decode_metadata(meta, pos)
-                h = self.drafter.forward(drafts[-1], pos, h, meta, step=step)
-            token, q = self._pick(h, inp.draft_sampling, pos, mask)
-            drafts.append(token)
-            probs.append(q)
-            if grammar is not None and step < k - 1:      # a host round trip per draft step
-                mask = grammar.advance(token)
-        draft_probs = torch.stack(probs, 1) if self.use_rejection_sampling else None
-        return torch.stack(drafts, 1), draft_probs                           # [Bd, K]
+        mask = None if grammar is None else grammar.start(
+            context_tokens.tolist(), accepted.tolist(), num_accepted.tolist())
+        for step in range(inp.k):
+            token = self.draft_next(inp, loop, step, mask)
+            if grammar is not None and step < inp.k - 1:  # a host round trip per draft step
+                mask = grammar.advance(token.tolist())
+        return loop.result(self.use_rejection_sampling)
+
+    def verify(self, inp: StepInputs) -> tuple:
+        """The step up to the draft loop, for callers that drive the loop with draft_next
+        themselves (the constrained CUDA-graph step): target verify, acceptance, draft step
+        0's forward. Returns (context tokens, accepted, accepted counts, DraftLoop | None)."""
+        hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta,
+                                       self.drafter.capture_layers if self.drafter else ())
+        context_tokens, accepted, num_accepted = self._accept(inp, hidden[inp.logit_rows])
+        loop = self.draft_begin(inp, hidden, captured, context_tokens, accepted, num_accepted)
+        return context_tokens, accepted, num_accepted, loop
+
+    def draft_begin(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
+                    num_accepted) -> DraftLoop | None:
+        """Draft step 0's forward over every row (it writes the draft KV of every
+        position), then the loop at the rows the drafting requests continue from; None
+        when nothing is drafted (no drafter, K = 0, or prompt chunks only, none ending its
+        prompt)."""
+        if self.drafter is None:
+            return None
+        h = self._first_pass(inp, hidden, captured, context_tokens, accepted)
+        if inp.k == 0 or len(inp.draft_reqs) == 0:
+            return None
+        return DraftLoop(*self._roots(inp, h, num_accepted, inp.k + 1))
+
+    def draft_next(self, inp: StepInputs, loop: DraftLoop, step: int,
+                   mask: RowMask | None) -> torch.Tensor:
+        """Draft step `step` (its forward for step > 0, then the pick): the drafts [Bd]."""
+        if step > 0:
+            loop.pos = loop.pos + 1
+            loop.meta = build_attention_metadata(
+                loop.block_tables, 1, loop.pos, inp.block_size, inp.max_kv_draft, None,
+                self.attn_backend) if loop.meta is None else \
+                advance_decode_metadata(loop.meta, loop.pos)
+            loop.h = self.drafter.forward(loop.tokens[-1], loop.pos, loop.h, loop.meta,
+                                          step=step)
+        token, q = self._pick(loop.h, inp.draft_sampling, loop.pos, mask)
+        loop.tokens.append(token)
+        loop.probs.append(q)
+        return token
 
     def _first_pass(self, inp: StepInputs, hidden, captured, context_tokens, accepted):
         """Draft step 0 over every row (shifted-by-one inputs), writing draft KV for every

@@ -10,7 +10,10 @@ from collections import OrderedDict
 from onespec.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 256               # compiled grammars kept (least recently used dropped)
-FILL_THREADS = 4               # threads filling a batch's bitmasks
+FILL_THREADS = 4               # threads filling a large batch's bitmasks
+# fewer matchers than this fill on the calling thread: waking the pool costs more than the
+# fills (about 10 us each for a JSON schema, against 0.1-0.4 ms for a pool round trip)
+THREADED_FILL_ROWS = 32
 COMPACT = (",", ":")           # JSON separators: no whitespace between tokens
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -48,7 +51,7 @@ class GrammarBackend:
         self.stop_token_ids = list(stop_token_ids)
         self._xgr = None
         self._compiler = None
-        self.filler = None             # xgrammar BatchGrammarMatcher: fills many masks at once
+        self._fillers = None           # xgrammar BatchGrammarMatcher: one thread, a pool
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -63,13 +66,19 @@ class GrammarBackend:
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-                self.filler = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+                self._fillers = (xgr.BatchGrammarMatcher(max_threads=1),
+                                 xgr.BatchGrammarMatcher(max_threads=FILL_THREADS))
                 self._xgr = xgr
         return self._xgr
 
     @property
     def xgr(self):
         return self._setup()
+
+    def fill(self, matchers: list, bitmask, indices: list[int]):
+        """Writes each matcher's next-token mask into row indices[i] of the host bitmask."""
+        filler = self._fillers[len(matchers) >= THREADED_FILL_ROWS]
+        filler.batch_fill_next_token_bitmask(matchers, bitmask, indices=indices)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of params; a spec the compiler rejects raises ValueError

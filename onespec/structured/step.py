@@ -29,6 +29,49 @@ class RowMask:
     rows: list[int]            # the same, on the host
     free: torch.Tensor         # [N - M] int64 the other rows
     bitmask: torch.Tensor      # [M, W] int32 xgrammar token bitmask, on the device
+    host: torch.Tensor | None = None   # [N, W] every row's bitmask on the host (a row
+    #                                    without a mask allows every token)
+
+
+def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab_size / 32)] int32 bitmask that allows every token (xgrammar's
+    layout: bit t % 32 of word t // 32 set when token t is allowed)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+class GraphMasks:
+    """The grammar masks of a graphed constrained step (engine/cuda_graph.py): every row of
+    a bucket is masked from fixed device buffers, which the host fills before each replay
+    (rows without a mask, padding rows included, allow every token)."""
+
+    def __init__(self, bucket: int, k: int, vocab_size: int, device):
+        rows = bucket * (k + 1)
+        dev = lambda n: allow_all(n, vocab_size).to(device)    # noqa: E731
+        every = lambda n: torch.arange(n, device=device)       # noqa: E731
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        self.verify = RowMask(every(rows), list(range(rows)), none, dev(rows))
+        self.draft = RowMask(every(bucket), list(range(bucket)), none, dev(bucket))
+        self.valid = torch.full((bucket,), k, dtype=torch.int64, device=device)
+
+    def valid_drafts_on(self, device) -> torch.Tensor:
+        return self.valid
+
+    @staticmethod
+    def load(target: RowMask, source: RowMask | None):
+        """Copies a StepGrammar mask's host rows into a graph buffer (the rest allow all)."""
+        n = 0 if source is None else source.host.shape[0]
+        if n:
+            target.bitmask[:n].copy_(source.host, non_blocking=True)
+        if n < target.bitmask.shape[0]:
+            target.bitmask[n:].fill_(-1)
+
+    def set_verify(self, grammar: "StepGrammar"):
+        self.load(self.verify, grammar.verify)
+        valid = grammar.valid_drafts
+        self.valid[:len(valid)].copy_(torch.tensor(valid), non_blocking=True)
+
+    def set_draft(self, mask: RowMask | None):
+        self.load(self.draft, mask)
 
 
 class _Slot:
@@ -56,8 +99,8 @@ class StepGrammar:
         """backend: the GrammarBackend; drafts: [Bg][K] the drafts each generation request
         verifies; draft_reqs: batch indices of the requests that draft this step (context
         chunks first)."""
-        self.xgr, self.vocab_size, self.device = backend.xgr, backend.vocab_size, device
-        self.filler = backend.filler
+        self.vocab_size, self.device = backend.vocab_size, device
+        self.fill = backend.fill
         self.verify = self._verify_mask(batch, drafts)
         num_ctx = len(batch.context)
         reqs = batch.requests
@@ -71,8 +114,7 @@ class StepGrammar:
         return any(r.grammar is not None for r in batch.requests)
 
     def _bitmask(self, rows: int) -> torch.Tensor:
-        return torch.full(self.xgr.get_bitmask_shape(rows, self.vocab_size), -1,
-                          dtype=torch.int32)
+        return allow_all(rows, self.vocab_size)
 
     def _row_mask(self, bitmask: torch.Tensor, rows: list[int]) -> RowMask | None:
         if not rows:
@@ -81,7 +123,7 @@ class StepGrammar:
         free = [i for i in range(bitmask.shape[0]) if i not in taken]
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return RowMask(as_long(rows), rows, as_long(free),
-                       bitmask[rows].to(self.device, non_blocking=True))
+                       bitmask[rows].to(self.device, non_blocking=True), bitmask)
 
     # ---- verify rows -------------------------------------------------------------------
     def _verify_mask(self, batch: "ScheduledBatch", drafts: list[list[int]]) -> RowMask | None:
@@ -91,8 +133,7 @@ class StepGrammar:
         bitmask = self._bitmask(num_ctx + len(batch.generation) * (k + 1))
         rows = [i for i, c in enumerate(batch.context) if c.is_last and c.req.grammar]
         if rows:
-            self.filler.batch_fill_next_token_bitmask(
-                [batch.context[i].req.grammar for i in rows], bitmask, indices=rows)
+            self.fill([batch.context[i].req.grammar for i in rows], bitmask, indices=rows)
         slots = [(_Slot(r.grammar, ("gen", g)), num_ctx + g * (k + 1), drafts[g])
                  for g, r in enumerate(batch.generation) if r.grammar is not None]
         # per generation request: how many of its leading drafts the grammar allows
@@ -103,8 +144,7 @@ class StepGrammar:
                 if not live:
                     break
                 index = [base + j for _, base in live]
-                self.filler.batch_fill_next_token_bitmask([s.matcher for s, _ in live],
-                                                          bitmask, indices=index)
+                self.fill([s.matcher for s, _ in live], bitmask, indices=index)
                 rows += index
                 if j < k:
                     for s, _, d in slots:
@@ -118,13 +158,14 @@ class StepGrammar:
         return self._row_mask(bitmask, rows)
 
     # ---- draft loop --------------------------------------------------------------------
-    def start(self, context_tokens: torch.Tensor,   # [Bc]
-              accepted: torch.Tensor,               # [Bg, K+1]
-              num_accepted: torch.Tensor,           # [Bg]
-              ) -> RowMask | None:                  # masks of draft step 0, per draft row
+    def valid_drafts_on(self, device) -> torch.Tensor:       # [Bg]
+        return torch.tensor(self.valid_drafts, device=device)
+
+    def start(self, ctx: list[int],              # [Bc] context tokens
+              acc: list[list[int]],              # [Bg][K+1] accepted rows
+              num: list[int],                    # [Bg] accepted counts
+              ) -> RowMask | None:               # masks of draft step 0, per draft row
         """Advances each drafting request's matcher through the tokens this step emits."""
-        ctx = context_tokens.tolist()
-        acc, num = accepted.tolist(), num_accepted.tolist()
         for s in self.slots:
             if s is None:
                 continue
@@ -133,9 +174,9 @@ class StepGrammar:
                 s.accept(t)
         return self._draft_mask()
 
-    def advance(self, drafts: torch.Tensor) -> RowMask | None:  # [Bd] target ids
+    def advance(self, drafts: list[int]) -> RowMask | None:  # [Bd] target ids
         """Advances the matchers through the drafts just picked; the next step's masks."""
-        for s, t in zip(self.slots, drafts.tolist()):
+        for s, t in zip(self.slots, drafts):
             if s is not None:
                 s.accept(t)
         return self._draft_mask()
@@ -144,8 +185,7 @@ class StepGrammar:
         rows = [r for r, s in enumerate(self.slots) if s is not None and s.live]
         bitmask = self._bitmask(len(self.slots))
         if rows:
-            self.filler.batch_fill_next_token_bitmask([self.slots[r].matcher for r in rows],
-                                                      bitmask, indices=rows)
+            self.fill([self.slots[r].matcher for r in rows], bitmask, indices=rows)
         return self._row_mask(bitmask, rows)
 
     def rollback(self):

@@ -315,8 +315,9 @@ class CudaGraphRunner:
 
     def _capture_constrained(self, b: int, k: int):
         """Captures bucket b's ConstrainedGraphs (after a warm-up run compiles its kernels).
-        The draft-step graphs continue from tensors the verify graph leaves (the DraftLoop),
-        which stay referenced, so no later capture in the pool takes their memory."""
+        The draft-step graphs continue from tensors the verify graph leaves (its inputs'
+        metadata, the DraftLoop); the graphs replay in capture order, so what later captures
+        in the pool reuse of them is always written before it is read."""
         buf = self._buffers(k)
         torch.cuda.synchronize(self.device)
         end = self._layout(b, k)[-1]
@@ -335,14 +336,13 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graphs[i], pool=self.constrained_pool):
                     return fn()
 
-            inp = self._inputs(b, k, buf["dev"], masks)
-
-            def verify():
+            def verify():      # the inputs' metadata is built in the graph: it follows them
+                inp = self._inputs(b, k, buf["dev"], masks)
                 _, accepted, num_accepted, loop = self.worker.verify(inp)
                 results[:rows + b].copy_(torch.cat([accepted.reshape(-1), num_accepted]))
-                return loop
+                return inp, loop
 
-            loop = run(0, verify)
+            inp, loop = run(0, verify)
             for j in range(k if loop is not None else 0):   # (no drafter: host drafts)
                 run(j + 1, lambda: drafts[:, j].copy_(
                     self.worker.draft_next(inp, loop, j, masks.draft)))

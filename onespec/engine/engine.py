@@ -141,8 +141,9 @@ class Engine:
                             force_acceptance_rates=sc.force_acceptance_rates if sc else None,
                             tree=self.tree)
         graphs = None
-        if config.cuda_graphs and self.kernel_settings.triton and self.tree is None:
-            # (tree steps run eagerly: no graphs are captured for them)
+        if config.cuda_graphs and self.kernel_settings.triton and self.tree is None and \
+                not worker.use_rejection_sampling:
+            # (tree steps and rejection sampling run eagerly: no graphs are captured for them)
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)

@@ -56,8 +56,8 @@ class DraftLoop:
     """The draft loop's state between its steps: hidden rows, positions and block tables
     of the drafting requests, the attention metadata of the last step, drafts so far."""
     h: torch.Tensor                        # [Bd, H]
-    pos: torch.Tensor | None               # [Bd]
-    block_tables: torch.Tensor | None      # [Bd, nb]
+    pos: torch.Tensor                      # [Bd]
+    block_tables: torch.Tensor             # [Bd, nb]
     meta: AttentionMetadata | None = None
     tokens: list = field(default_factory=list)   # [Bd] target ids per step
     probs: list = field(default_factory=list)    # [Bd, V] q per step (rejection sampling)

@@ -249,20 +249,26 @@ class CudaGraphRunner:
         if key not in self.graphs:
             self.capture(k, [b])
         buf = self._buffers(k)
-        slot = buf["next"]
-        buf["next"] ^= 1
-        event = buf["events"][slot]
-        event.synchronize()          # the launch before last, which used this slot, is done
-        end = self._layout(b, k)[-1]
-        self._fill_inputs(reqs, b, k, buf["host"][slot], chained)
-        buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
+        slot = self._load_inputs(reqs, b, k, chained)
         self.graphs[key].replay()
         size = self._results_size(b, k)
         buf["out"][slot][:size].copy_(buf["prev"][:size], non_blocking=True)
-        event.record()
+        buf["events"][slot].record()
         self.num_replays += 1
         self.num_chained += chained
         return PendingStep(batch, b, slot)
+
+    def _load_inputs(self, reqs, b: int, k: int, chained: bool = False) -> int:
+        """Writes the step's inputs (_fill_inputs) into the next pinned buffer and enqueues
+        their copy to the device; returns that buffer's slot."""
+        buf = self._buffers(k)
+        slot = buf["next"]
+        buf["next"] ^= 1
+        buf["events"][slot].synchronize()   # the launch before last, which used it, is done
+        end = self._layout(b, k)[-1]
+        self._fill_inputs(reqs, b, k, buf["host"][slot], chained)
+        buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
+        return slot
 
     def collect(self, step: PendingStep) -> tuple[list[int], list[list[int]], list[list[int]]]:
         """Waits for a launched step; returns (num_accepted, accepted rows, drafts) of its
@@ -290,13 +296,7 @@ class CudaGraphRunner:
         if key not in self.constrained:
             self._capture_constrained(b, k)
         cg = self.constrained[key]
-        buf = self._buffers(k)
-        slot = buf["next"]
-        buf["next"] ^= 1
-        buf["events"][slot].synchronize()
-        end = self._layout(b, k)[-1]
-        self._fill_inputs(reqs, b, k, buf["host"][slot])
-        buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
+        self._load_inputs(reqs, b, k)
         cg.masks.set_verify(grammar)
         cg.verify.replay()
         rows = b * (k + 1)

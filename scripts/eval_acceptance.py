@@ -1,8 +1,8 @@
-"""Acceptance of the demo pair on held-out stdlib files, K = 1..7 and dynamic trees, next
+"""Acceptance of the demo pair on held-out code (packages it was never trained on), K = 1..7 and dynamic trees, next
 to transformers' prompt-lookup decoding on the same model and prompts. Prints one JSON line
 per setting.
 
-    python scripts/eval_acceptance.py --data data/stdlib/heldout.jsonl.gz [--device cuda]
+    python scripts/eval_acceptance.py --data data/code/heldout.jsonl.gz [--device cuda]
     python scripts/eval_acceptance.py --ks 5 --trees 6x4x8,6x4x16,6x4x32,6x4x64 \
         --no-hf          # trees: depth x top-k x nodes
 
@@ -25,18 +25,18 @@ from onespec.demo import HEAD_DIR, TARGET_DIR
 
 
 def heldout_prompts(path: str, tokenizer, num: int, prompt_len: int) -> list[list[int]]:
-    """Deterministic prompts: a window of prompt_len tokens from the middle of each file."""
-    prompts = []
+    """Deterministic prompts: a window of prompt_len tokens from the middle of each of num
+    files spread evenly over the held-out set (so every held-out package is sampled)."""
     with gzip.open(path, "rt") as f:
-        for line in f:
-            ids = tokenizer.encode(json.loads(line)["text"])
-            if len(ids) < 2 * prompt_len:
-                continue
+        texts = [json.loads(line)["text"] for line in f]
+    windows = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if len(ids) >= 2 * prompt_len:
             start = (len(ids) - prompt_len) // 2
-            prompts.append(ids[start:start + prompt_len])
-            if len(prompts) == num:
-                break
-    return prompts
+            windows.append(ids[start:start + prompt_len])
+    step = max(1, len(windows) // num)
+    return windows[::step][:num]
 
 
 def prompt_lookup(prompts, gen_len: int, device, num_tokens: int) -> dict:
@@ -109,7 +109,7 @@ def run_onespec(name: str, spec, prompts, sp, ref, device: str, baseline=None,
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", default="data/stdlib/heldout.jsonl.gz")
+    ap.add_argument("--data", default="data/code/heldout.jsonl.gz")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)

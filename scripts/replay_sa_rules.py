@@ -7,7 +7,7 @@ acceptance 1: one token a step) and any rule for replacing them can then be repl
 the fixed outputs in pure Python: a step accepts the drafts' longest prefix that equals
 the output. The plain rule's figures equal scripts/eval_acceptance.py's real runs.
 
-    python scripts/replay_sa_rules.py --data data/stdlib/heldout.jsonl.gz --k 5
+    python scripts/replay_sa_rules.py --data data/code/heldout.jsonl.gz --k 5
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def replay(data, drafts_for, k: int, gen_len: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", default="data/stdlib/heldout.jsonl.gz")
+    ap.add_argument("--data", default="data/code/heldout.jsonl.gz")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)

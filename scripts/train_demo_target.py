@@ -1,32 +1,36 @@
 #!/usr/bin/env python
-"""Train onespec's bundled demo *target* model: a tiny Llama on Python stdlib code.
+"""Train onespec's bundled demo *target* model: a small, deep Llama on Python code.
 
-Input is the directory written by ``scripts/prepare_stdlib_data.py`` (only its
+Input is the directory written by ``scripts/prepare_code_data.py`` (only its
 ``train.jsonl.gz`` / ``heldout.jsonl.gz`` are read).  Output is a Hugging Face
 model directory loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer``:
 
 * a byte-level BPE tokenizer trained on the train split (``<|endoftext|>`` is
   BOS and EOS, ``<|pad|>`` is padding; no token is added automatically on
   encode, and decode(encode(x)) == x for any text);
-* a ``LlamaForCausalLM`` (8 layers, hidden 256, 4 heads / 2 KV heads, tied
-  embeddings, ~8.4 M parameters) saved as bfloat16 safetensors;
+* a ``LlamaForCausalLM`` (24 layers, hidden 256, MLP 512, 4 heads / 2 KV heads, tied
+  embeddings, ~16.3 M parameters) saved as bfloat16 safetensors. Deeper than wide on
+  purpose: on a CPU a small model's step costs about the same per layer whatever its width,
+  so a deep target costs many times a one-layer draft step, which is what lets
+  speculation pay off there;
 * ``generation_config.json``.
 
 Training: every train file becomes ``<|endoftext|>`` + text; all of them are
 concatenated into one token stream held on the device, and each step samples
 ``batch_size`` windows of ``seq_len + 1`` tokens at random offsets (seeded).
 AdamW (0.9, 0.95, wd 0.1 on matrices), linear warmup + cosine decay to 10 %,
-gradient clipping at 1.0, bf16 autocast on CUDA, float32 on CPU.  Held-out loss
-is measured every ``--eval-every`` steps on a fixed set of held-out windows.
+gradient clipping at 1.0, bf16 autocast on CUDA, float32 on CPU. ``--max-seconds`` sets
+the number of steps from the measured speed of the first ones, so a run fits a time budget.
+Held-out loss is measured every ``--eval-every`` steps on a fixed set of held-out windows.
 JSON lines go to ``--log`` (default ``<out>/../target_train_log.jsonl``).
 
 GPU run (defaults)::
 
-    python scripts/train_demo_target.py --data data/stdlib --out onespec/_demo/target --device cuda
+    python scripts/train_demo_target.py --data data/code --out onespec/_demo/target --device cuda
 
 CPU smoke run::
 
-    python scripts/train_demo_target.py --data data/stdlib --out /tmp/target --device cpu \
+    python scripts/train_demo_target.py --data data/code --out /tmp/target --device cpu \
         --steps 20 --batch-size 4 --seq-len 128
 """
 
@@ -47,12 +51,19 @@ import torch.nn.functional as F
 BOS_EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [BOS_EOS, PAD]  # ids 0 and 1
+# A code model has no chat format of its own: user and system turns become comment lines,
+# assistant turns are code, so /v1/chat/completions and `onespec chat` work on the demo pair.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}\n{% else %}{{ '# ' + message['content'] | replace('\\n', '\\n# ') }}\n"
+    "{% endif %}{% endfor %}"
+)
 
 # Architecture of the demo target (fixed; only the vocab size is overridable, for tests).
 ARCH = dict(
     hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=8,
+    intermediate_size=512,
+    num_hidden_layers=24,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
@@ -66,7 +77,8 @@ ARCH = dict(
     mlp_bias=False,
 )
 
-MAX_DIR_BYTES = 20 * 1024 * 1024
+PROBE_STEPS = (10, 30)               # steps timed (after warm-up ones) before --max-seconds fixes the step count
+MAX_DIR_BYTES = 36 * 1024 * 1024    # the head must fit beside it in 40 MB
 
 
 # --------------------------------------------------------------------------- data
@@ -80,7 +92,7 @@ def read_jsonl_gz(path: Path) -> list[dict]:
 def load_split(data_dir: Path, name: str) -> list[dict]:
     path = data_dir / f"{name}.jsonl.gz"
     if not path.is_file():
-        raise SystemExit(f"missing {path}; run scripts/prepare_stdlib_data.py --out {data_dir} first")
+        raise SystemExit(f"missing {path}; run scripts/prepare_code_data.py --out {data_dir} first")
     recs = read_jsonl_gz(path)
     recs.sort(key=lambda r: r["path"])  # order independent of how the file was written
     return recs
@@ -177,7 +189,10 @@ def parse_args(argv=None):
     p.add_argument("--data", required=True, help="dir with train.jsonl.gz / heldout.jsonl.gz")
     p.add_argument("--out", required=True, help="output model dir (e.g. onespec/_demo/target)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=3000, help="optimizer steps (at most, with --max-seconds)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="fewer steps if needed so training takes about this long, from the speed of the first "
+                        f"steps {PROBE_STEPS[0]}-{PROBE_STEPS[1]}; the learning rate decays over the steps kept")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -311,9 +326,24 @@ def main(argv=None) -> int:
     heldout_loss = None
     t_train = time.time()
     t_win, tok_win = time.time(), 0
-    pbar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=args.no_progress)
-    for step in pbar:
-        lr = lr_at(step, args.steps, warmup, args.lr, args.min_lr_ratio)
+    total = args.steps
+    pbar = tqdm(total=total, desc="train", dynamic_ncols=True, disable=args.no_progress)
+    for step in range(args.steps):
+        if step == total:
+            break
+        if args.max_seconds is not None and step in PROBE_STEPS:
+            if is_cuda:
+                torch.cuda.synchronize()
+            if step == PROBE_STEPS[0]:
+                t_probe = time.time()
+        if args.max_seconds is not None and step == PROBE_STEPS[1]:
+            per_step = (time.time() - t_probe) / (PROBE_STEPS[1] - PROBE_STEPS[0])
+            left = args.max_seconds - (time.time() - t_train)
+            total = max(step + 1, min(args.steps, step + int(left / per_step)))
+            pbar.total = total
+            tqdm.write(f"{per_step * 1e3:.1f} ms a step: {total} steps fit {args.max_seconds:.0f} s")
+            log({"event": "steps", "ms_per_step": round(per_step * 1e3, 2), "steps": total})
+        lr = lr_at(step, total, warmup, args.lr, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = train_ids[all_offs[step][:, None] + ar].long()
@@ -325,7 +355,8 @@ def main(argv=None) -> int:
         tok_win += tokens_per_step
 
         done = step + 1
-        do_eval = done % args.eval_every == 0 or done == args.steps
+        pbar.update(1)
+        do_eval = done % args.eval_every == 0 or done == total
         if done % args.log_every == 0 or do_eval:
             loss_v = loss.item()  # syncs
             dt = time.time() - t_win
@@ -342,8 +373,8 @@ def main(argv=None) -> int:
             pbar.set_postfix(loss=f"{loss_v:.3f}", tok_s=f"{tps:,.0f}")
     pbar.close()
     train_s = time.time() - t_train
-    avg_tps = args.steps * tokens_per_step / max(train_s, 1e-9)
-    print(f"trained {args.steps} steps in {train_s:.1f}s ({avg_tps:,.0f} tokens/s incl. eval)")
+    avg_tps = total * tokens_per_step / max(train_s, 1e-9)
+    print(f"trained {total} steps in {train_s:.1f}s ({avg_tps:,.0f} tokens/s incl. eval)")
 
     # ---- save (bf16)
     from transformers import GenerationConfig
@@ -361,6 +392,7 @@ def main(argv=None) -> int:
     tok_cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     for f in out.iterdir():
         if f.is_file():
@@ -370,7 +402,7 @@ def main(argv=None) -> int:
     for name, sz in files.items():
         print(f"  {name:32s} {sz / 1e6:8.3f} MB")
     print(f"saved {out}: {size / 2**20:.2f} MiB total ({size:,} bytes)")
-    log({"event": "done", "steps": args.steps, "final_loss": round(loss.item(), 4), "heldout_loss": heldout_loss,
+    log({"event": "done", "steps": total, "final_loss": round(loss.item(), 4), "heldout_loss": heldout_loss,
          "train_seconds": round(train_s, 1), "tokens_per_s": round(avg_tps, 1), "dir_bytes": size, "files": files,
          "total_seconds": round(time.time() - t0, 1)})
     log_f.close()

@@ -1,6 +1,6 @@
 """End-to-end check of the demo-target scripts at a tiny scale (CPU, well under a minute).
 
-Runs scripts/prepare_stdlib_data.py (twice, to check determinism) and
+Runs scripts/prepare_code_data.py --stdlib-only (twice, to check determinism) and
 scripts/train_demo_target.py into a tmp dir, then loads the result with transformers.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PREPARE = REPO / "scripts" / "prepare_stdlib_data.py"
+PREPARE = REPO / "scripts" / "prepare_code_data.py"
 TRAIN = REPO / "scripts" / "train_demo_target.py"
 
 
@@ -35,8 +35,8 @@ def _read(path: Path) -> list[dict]:
 def pipeline(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
     data_a, data_b = tmp / "data_a", tmp / "data_b"
-    _run(PREPARE, "--out", data_a, "--max-files", "20")
-    _run(PREPARE, "--out", data_b, "--max-files", "20")
+    _run(PREPARE, "--out", data_a, "--stdlib-only", "--max-files", "12")
+    _run(PREPARE, "--out", data_b, "--stdlib-only", "--max-files", "12")
     out = tmp / "target"
     log = tmp / "log.jsonl"
     proc = _run(
@@ -49,19 +49,46 @@ def pipeline(tmp_path_factory):
 
 def test_split_deterministic_and_disjoint(pipeline):
     a, b = pipeline["data_a"], pipeline["data_b"]
-    for name in ("train.jsonl.gz", "heldout.jsonl.gz"):
+    for name in ("train.jsonl.gz", "heldout.jsonl.gz", "sources.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between runs"
     train, held = _read(a / "train.jsonl.gz"), _read(a / "heldout.jsonl.gz")
-    assert len(train) + len(held) == 20 and len(held) >= 1 and len(train) >= 1
+    assert len(train) == len(held) == 12
     tp, hp = {r["path"] for r in train}, {r["path"] for r in held}
-    assert not tp & hp
-    assert all(zlib.crc32(p.encode()) % 20 == 0 for p in hp)
-    assert all(zlib.crc32(p.encode()) % 20 != 0 for p in tp)
+
+    def module(path):                       # stdlib/<top-level module or package>/...
+        return path.split("/")[1].removesuffix(".py")
+
+    # whole top-level modules are held out, never single files of a trained one
+    assert not {module(p) for p in tp} & {module(p) for p in hp}
+    assert all(zlib.crc32(module(p).encode()) % 20 == 0 for p in hp)
+    assert all(zlib.crc32(module(p).encode()) % 20 != 0 for p in tp)
     assert [r["path"] for r in train] == sorted(tp)
     for p in tp | hp:
         parts = p.split("/")
-        assert p.endswith(".py") and not {"test", "tests", "idle_test", "site-packages"} & set(parts)
+        assert parts[0] == "stdlib" and p.endswith(".py")
+        assert not {"test", "tests", "idle_test", "site-packages", "_vendor"} & set(parts)
     assert all(r["text"] for r in train + held)
+    sources = json.loads((a / "sources.json").read_text())
+    assert [s["name"] for s in sources] == ["stdlib"] and sources[0]["licence"] == "PSF-2.0"
+
+
+def test_packages_are_pinned_permissive_and_held_out_whole():
+    """The PyPI part of the corpus (not installed here: that needs the network): exact
+    versions, permissive licences, and held-out packages that no trained one vendors."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from prepare_code_data import PACKAGES
+    finally:
+        sys.path.pop(0)
+    names = [name for name, *_ in PACKAGES]
+    assert len(set(names)) == len(names)
+    permissive = {"MIT", "BSD-2-Clause", "BSD-3-Clause", "Apache-2.0"}
+    for name, version, licence, split in PACKAGES:
+        assert version[0].isdigit() and split in ("train", "heldout"), name
+        assert set(licence.split(" OR ")) <= permissive, (name, licence)
+    held = {name for name, *_, split in PACKAGES if split == "heldout"}
+    assert held and len(held) < len(names) / 2
+    assert not {"pip", "setuptools"} & set(names)    # they vendor rich and more-itertools
 
 
 def test_tokenizer_roundtrip(pipeline):
@@ -71,6 +98,9 @@ def test_tokenizer_roundtrip(pipeline):
     assert tok.bos_token == tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>"
     assert tok.bos_token_id == tok.eos_token_id == 0 and tok.pad_token_id == 1
     assert len(tok) <= 512
+    chat = tok.apply_chat_template([{"role": "user", "content": "Sort a list.\nIn place."},
+                                    {"role": "assistant", "content": "xs.sort()"}], tokenize=False)
+    assert chat == "# Sort a list.\n# In place.\nxs.sort()\n"
     recs = _read(pipeline["data_a"] / "train.jsonl.gz")[:3] + _read(pipeline["data_a"] / "heldout.jsonl.gz")[:1]
     samples = [r["text"] for r in recs] + ["\tdef f( a ,b ):\r\n    return  'é☃'  \n\n\n  ", " x", "\n"]
     for text in samples:
@@ -87,7 +117,7 @@ def test_model_loads_and_generates(pipeline):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16" and cfg["vocab_size"] == 512 and cfg["tie_word_embeddings"]
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (256, 8, 4, 2)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (256, 24, 4, 2)
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
@@ -95,7 +125,7 @@ def test_model_loads_and_generates(pipeline):
     assert model.config.bos_token_id == model.config.eos_token_id == tok.eos_token_id
     assert model.config.pad_token_id == tok.pad_token_id
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert sum(p.stat().st_size for p in out.iterdir()) < 20 * 2**20
+    assert sum(p.stat().st_size for p in out.iterdir()) < 36 * 2**20
 
     enc = tok(["def main():\n", "import os"], return_tensors="pt", padding=True)
     with torch.no_grad():

@@ -19,11 +19,17 @@ DEMO_DIR = os.path.join(os.path.dirname(__file__), "_demo")
 TARGET_DIR = os.path.join(DEMO_DIR, "target")
 HEAD_DIR = os.path.join(DEMO_DIR, "eagle3")
 
+# Each prompt stops inside a line: the tokenizer merges a newline with the next line's
+# indentation, so a prompt that ends on a bare newline tells the model that a column-0 line
+# comes next.
 PROMPTS = [
-    "def binary_search(items, target):\n    \"\"\"Return the index of target in items.\"\"\"\n",
-    "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):\n",
-    "import os\n\n\ndef list_python_files(root):\n",
-    "    def __repr__(self):\n        return",
+    'def binary_search(items, target):\n    """Return the index of target in items."""\n'
+    "    lo = 0\n    hi = len(items)\n    while lo",
+    'class Stack:\n    """A simple LIFO stack."""\n\n    def __init__(self):\n        self.',
+    'import os\n\n\ndef list_python_files(root):\n'
+    '    """Return the paths of the .py files under root."""\n    result = []\n    for',
+    'def read_config(path):\n    """Read a JSON config file."""\n    with open(path) as f:\n'
+    "        return",
 ]
 
 

@@ -1,6 +1,6 @@
-"""Acceptance of the demo pair on held-out code (packages it was never trained on), K = 1..7 and dynamic trees, next
-to transformers' prompt-lookup decoding on the same model and prompts. Prints one JSON line
-per setting.
+"""Acceptance of the demo pair on held-out code (packages it was never trained on), K = 1..7
+and dynamic trees, next to transformers' prompt-lookup decoding on the same model and
+prompts. Prints one JSON line per setting.
 
     python scripts/eval_acceptance.py --data data/code/heldout.jsonl.gz [--device cuda]
     python scripts/eval_acceptance.py --ks 5 --trees 6x4x8,6x4x16,6x4x32,6x4x64 \

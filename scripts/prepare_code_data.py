@@ -39,6 +39,7 @@ import sysconfig
 import tempfile
 import tokenize
 import zlib
+from email.message import Message
 from email.parser import HeaderParser
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def _dist_info(scratch: Path, name: str, version: str) -> Path:
     raise SystemExit(f"{name}=={version} is not installed in {scratch}")
 
 
-def _metadata_licence(meta: dict) -> str:
+def _metadata_licence(meta: Message) -> str:
     if meta.get("License-Expression"):
         return meta["License-Expression"]
     classifiers = [c.split(" :: ")[-1] for c in meta.get_all("Classifier", []) if c.startswith("License ::")]

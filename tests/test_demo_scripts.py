@@ -139,3 +139,22 @@ def test_model_loads_and_generates(pipeline):
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in steps)
     assert "heldout_loss" in steps[1] and "heldout_loss" in steps[2]
     assert lines[-1]["event"] == "done"
+
+
+def test_max_seconds_fits_the_steps_to_the_budget(pipeline, tmp_path):
+    """--max-seconds times steps 10..30, then keeps as many steps as fit what is left of the
+    budget (here none: it stops right after the probe) and decays the learning rate over
+    them."""
+    log = tmp_path / "log.jsonl"
+    _run(TRAIN, "--data", pipeline["data_a"], "--out", tmp_path / "target", "--device", "cpu",
+         "--steps", "500", "--max-seconds", "0.5", "--batch-size", "1", "--seq-len", "16",
+         "--vocab-size", "512", "--eval-every", "1000", "--eval-windows", "1", "--log-every", "1",
+         "--log", log, "--no-progress")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    fixed = next(r for r in lines if r.get("event") == "steps")
+    assert fixed["steps"] == 31 and fixed["ms_per_step"] > 0
+    steps = [r for r in lines if "step" in r]
+    assert [r["step"] for r in steps] == list(range(1, 32))
+    # the cosine ran over the 31 steps kept, not the 500 asked for (near the peak at step 31)
+    assert steps[-1]["lr"] < 0.25 * max(r["lr"] for r in steps)
+    assert lines[-1]["event"] == "done" and lines[-1]["steps"] == 31

@@ -147,7 +147,7 @@ def test_max_seconds_fits_the_steps_to_the_budget(pipeline, tmp_path):
     them."""
     log = tmp_path / "log.jsonl"
     _run(TRAIN, "--data", pipeline["data_a"], "--out", tmp_path / "target", "--device", "cpu",
-         "--steps", "500", "--max-seconds", "0.5", "--batch-size", "1", "--seq-len", "16",
+         "--steps", "500", "--max-seconds", "0.01", "--batch-size", "1", "--seq-len", "16",
          "--vocab-size", "512", "--eval-every", "1000", "--eval-windows", "1", "--log-every", "1",
          "--log", log, "--no-progress")
     lines = [json.loads(line) for line in log.read_text().splitlines()]

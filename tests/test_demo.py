@@ -23,7 +23,7 @@ def test_bundled_pair_fits_and_loads_in_transformers():
     ids = torch.tensor([prompt])
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                       do_sample=False, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
-    llm = LLM(TARGET_DIR, device="cpu", dtype="float32",
+    llm = LLM(TARGET_DIR, device="cpu", dtype="float32", max_batch_size=4,
               speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=4))
     out = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]

@@ -115,7 +115,7 @@ def test_readme_serving_commands_work_as_written(tmp_path):
     template_port = free_port()
     with server([sys.executable, "-m", "onespec", *serve], tmp_path / "readme.log") as proc, \
             server([sys.executable, "-m", "onespec", "serve", "--model", TARGET_DIR, "--port",
-                    str(template_port), "--chat-template",
+                    str(template_port), "--max-batch-size", "4", "--chat-template",
                     "{% for m in messages %}{{ m['content'] }}:\n{% endfor %}"],
                    tmp_path / "template.log") as proc2:
         wait_ready(proc, int(port), tmp_path / "readme.log")
@@ -129,7 +129,7 @@ def test_readme_serving_commands_work_as_written(tmp_path):
         with contextlib.redirect_stdout(printed):
             exec(code.replace("8000", port), {})
         from onespec import LLM, SamplingParams
-        plain = LLM(TARGET_DIR, device="cpu")
+        plain = LLM(TARGET_DIR, device="cpu", max_batch_size=4)     # a small KV pool
         completion = plain.generate(["def fib(n):"], SamplingParams(max_tokens=32))[0]
         assert printed.getvalue().startswith(completion.outputs[0].text + "\n")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

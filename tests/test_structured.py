@@ -46,20 +46,22 @@ PROMPTS = ["def parse(line):\n", "config = ", "import json\n\n", "    return "]
 MAX_TOKENS = 48
 
 
+# Engines here take max_batch_size=16: the KV pool holds max_batch_size requests of the
+# model's full length, which for the 24-layer demo target at the default 64 is 3.4 GB each.
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32")
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", max_batch_size=16)
 
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32",
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", max_batch_size=16,
                speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3))
 
 
 @pytest.fixture(scope="module")
 def spec_rs():
-    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32",
+    return LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", max_batch_size=16,
                speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3,
                                                use_rejection_sampling=True))
 
@@ -188,8 +190,9 @@ def test_chunked_prefill_and_preemption_keep_the_matchers_in_step(plain):
 def test_forced_acceptance_emits_valid_runs():
     """Benchmark mode (forced acceptance counts) under a constraint: the emitted runs are the
     masked drafts and the target's token after them, so the output stays valid."""
-    llm = LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
-        HEAD_DIR, max_draft_len=3, force_acceptance_length=3.5))
+    llm = LLM(TARGET_DIR, device=TEST_DEVICE, dtype="float32", max_batch_size=16,
+              speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3,
+                                              force_acceptance_length=3.5))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(CASES))]
     out = llm.generate(prompts, [constrained(so) for _, _, so in CASES])
     for (kind, value, _), o in zip(CASES, out):
@@ -210,8 +213,8 @@ def test_forced_acceptance_stops_at_drafts_the_grammar_rejects(tmp_path):
         head_cfg = json.load(f)
     (head / "config.json").write_text(json.dumps({**head_cfg, "draft_vocab_size": 32}))
     llm = LLM(str(target), device=TEST_DEVICE, dtype="float32", load_format="dummy",
-              speculative_config=Eagle3Config(str(head), max_draft_len=3,
-                                              force_acceptance_length=4.0))
+              max_batch_size=16, speculative_config=Eagle3Config(
+                  str(head), max_draft_len=3, force_acceptance_length=4.0))
     cases = [("choice", CHOICES, StructuredOutputsParams(choice=CHOICES)),
              ("grammar", GRAMMAR_RE, StructuredOutputsParams(grammar=GRAMMAR))]
     out = llm.generate([PROMPTS[0]] * 2, [constrained(so) for _, _, so in cases])

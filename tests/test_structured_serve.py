@@ -46,10 +46,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(["--model", model_dir, "--draft", HEAD_DIR, "--k", "3",
+    # a small batch keeps the KV pool (sized for max_batch_size full-length requests) small
+    s = Server(["--model", model_dir, "--draft", HEAD_DIR, "--k", "3", "--max-batch-size", "8",
                 "--served-model-name", NAME], tmp_path_factory.mktemp("logs") / "server.log")
     try:
-        offline = LLM(model_dir, device="cpu", dtype="float32")   # loads while it starts
+        # loads while the server starts
+        offline = LLM(model_dir, device="cpu", dtype="float32", max_batch_size=8)
         yield s.wait_ready(), offline
     finally:
         s.stop()

@@ -85,9 +85,12 @@ SKIP_DIRS = {
 STDLIB_HELDOUT_MOD = 20
 
 
+def _skip_dir(name: str) -> bool:
+    return name in SKIP_DIRS or name.startswith("config-")   # config-3.x-<platform>: build helpers
+
+
 def _skipped(rel: str) -> bool:
-    parts = rel.split("/")
-    return any(p in SKIP_DIRS or p.startswith("config-") for p in parts[:-1])
+    return any(map(_skip_dir, rel.split("/")[:-1]))
 
 
 def _decode(raw: bytes) -> str | None:
@@ -117,7 +120,7 @@ def stdlib_files(stdlib: Path) -> list[tuple[str, str]]:
     """(``stdlib/<rel>``, text) for the stdlib's .py files, sorted."""
     rels = []
     for root, dirs, files in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("config-"))
+        dirs[:] = sorted(d for d in dirs if not _skip_dir(d))
         rels += [Path(root, f).relative_to(stdlib).as_posix() for f in files if f.endswith(".py")]
     return _read_sources(stdlib, rels, "stdlib")
 

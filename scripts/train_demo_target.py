@@ -331,12 +331,13 @@ def main(argv=None) -> int:
     for step in range(args.steps):
         if step == total:
             break
-        if args.max_seconds is not None and step in PROBE_STEPS:
+        if args.max_seconds is not None and step == PROBE_STEPS[0]:
             if is_cuda:
                 torch.cuda.synchronize()
-            if step == PROBE_STEPS[0]:
-                t_probe = time.time()
+            t_probe = time.time()
         if args.max_seconds is not None and step == PROBE_STEPS[1]:
+            if is_cuda:
+                torch.cuda.synchronize()
             per_step = (time.time() - t_probe) / (PROBE_STEPS[1] - PROBE_STEPS[0])
             left = args.max_seconds - (time.time() - t_train)
             total = max(step + 1, min(args.steps, step + int(left / per_step)))

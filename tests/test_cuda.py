@@ -291,8 +291,9 @@ def test_long_context_attention_split_matches_unsplit(dtype, batch, rows):
 @pytest.mark.parametrize("drafts", ["sa-enhancer", "ngram"])
 def test_host_drafts_in_graph_steps(pair, drafts):
     """The suffix-automaton enhancer and the n-gram drafter with CUDA graphs: the same tokens
-    as plain decoding, graph steps replayed, none chained (host drafts are set after a step
-    is read, so the overlap scheduler does not launch ahead)."""
+    as plain decoding, graph steps replayed. N-gram steps never chain (their drafts are set
+    after a step is read); with the enhancer, steps chain while the automaton matches
+    nothing and run serially while it proposes, and its drafts are still accepted."""
     from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
     target, hf, head = pair
     prompts = PROMPTS + [[7, 8, 9, 10] * 6]
@@ -302,9 +303,35 @@ def test_host_drafts_in_graph_steps(pair, drafts):
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
     graphs = llm.engine.runner.graphs
-    assert graphs.num_replays > 0 and graphs.num_chained == 0
+    assert graphs.num_replays > 0
+    assert (graphs.num_chained > 0) == (drafts == "sa-enhancer"), graphs.num_chained
     st = llm.stats()
     assert st["num_accepted_draft_tokens"] > 0
     if drafts == "sa-enhancer":
         assert st["num_sa_accepted_draft_tokens"] > 0
     assert_pool_full(llm)
+
+
+def test_sa_enhancer_chains_only_without_a_match(pair):
+    """Requests whose automaton never matches (sa_min_match_len above anything the short
+    outputs repeat) chain most decode steps; one whose prompt repeats
+    runs serially while the automaton proposes. Both decode as plain decoding does, one at
+    a time and together, and the drafts the automaton counts are ones the steps verified
+    (never more than the verified drafts)."""
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, hf, head = pair
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    for min_match, prompts in ((64, PROMPTS[:2]), (2, [[7, 8, 9, 10] * 6])):
+        llm = LLM(target, device="cuda", dtype="float32", max_batch_size=8,
+                  speculative_config=Eagle3Config(head, max_draft_len=3, use_sa_enhancer=True,
+                                                   sa_min_match_len=min_match))
+        outs = llm.generate(prompts, sp)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+        graphs, st = llm.engine.runner.graphs, llm.stats()
+        if min_match == 64:
+            assert st["num_sa_draft_tokens"] == 0
+            assert 2 * graphs.num_chained > graphs.num_replays, vars(graphs)
+        else:
+            assert 0 < st["num_sa_accepted_draft_tokens"] <= st["num_sa_draft_tokens"]
+            assert st["num_sa_draft_tokens"] <= st["num_draft_tokens"]
+        assert_pool_full(llm)

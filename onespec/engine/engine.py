@@ -31,7 +31,7 @@ from onespec.models.registry import (load_target, load_tokenizer, resolve_device
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
-from onespec.speculative.host_drafts import make_host_drafter, record_sa_outcome
+from onespec.speculative.host_drafts import NGramDrafter, make_host_drafter, record_sa_outcome
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.thinking import ThinkingPhase
@@ -410,12 +410,18 @@ class Engine:
     def _launch_next(self, current: PendingStep) -> PendingStep | None:
         """Launches the step after `current` for the same requests, if nothing would change
         it: no request waiting, none aborted, the same draft length, and room in every
-        request's blocks and budget for one more step whatever `current` accepts. Never with
-        host drafts: they are known only once `current` is read."""
-        if self.host_drafter is not None:
-            return None
+        request's blocks and budget for one more step whatever `current` accepts.
+
+        Host drafts are known only once `current` is read, so the n-gram drafter never
+        chains. With the suffix-automaton enhancer the chained step verifies the model's
+        drafts, so it is launched only while the automaton matches none of the requests
+        (neither in `current`'s drafts nor at the last proposal): when a match starts, the
+        steps run serially (each verifying the automaton's drafts) until it ends."""
         sched = self.scheduler
         reqs = current.batch.generation
+        if isinstance(self.host_drafter, NGramDrafter) or any(
+                r.sa_match or r.sa_draft_span[1] for r in reqs):
+            return None
         if sched.waiting or len(sched.running) != len(reqs) or \
                 any(r.status != RequestStatus.RUNNING for r in reqs):
             return None
@@ -459,9 +465,10 @@ class Engine:
         for req, before, span, alive in zip(batch.generation, num_outputs, spans, live):
             if span[1] > span[0] and alive and batch.k:
                 record_sa_outcome(req, batch.k, span, len(req.output_token_ids) - before)
+        in_flight = self._inflight is not None       # the next step of these requests
         for req in advanced:
             if not req.is_finished:
-                self.host_drafter.propose(req)
+                self.host_drafter.propose(req, in_flight)
 
     def _walk_thinking(self, batch: ScheduledBatch, num_outputs: list[int]):
         """Moves each request's thinking phase over the tokens this step fed or emitted: a

@@ -58,8 +58,10 @@ class Request:
     draft_parents: list[int] = field(default_factory=list)  # tree drafts: parent row of each
     thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
     grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
+    draft_masks: Any = None                    # structured/step.py DraftMasks (graphed steps)
     draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)
     sa_draft_span: tuple[int, int] = (0, 0)    # [start, end) of draft_tokens from the automaton
+    sa_match: bool = False     # the automaton matched at the last proposal (used or not)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prefix caching (engine/prefix_cache.py): hashes of full blocks so far, and the cache
     # records of the blocks this request computed or found cached, in order

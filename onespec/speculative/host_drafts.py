@@ -53,11 +53,16 @@ class SuffixEnhancer:
     def __init__(self, min_match_len: int, max_draft_len: int):
         self.min_match_len, self.max_draft_len = min_match_len, max_draft_len
 
-    def propose(self, req: Request) -> None:
+    def propose(self, req: Request, in_flight: bool = False) -> None:
+        """Sets req's next drafts. in_flight: req's next step was launched already (the
+        overlap scheduler chained it, verifying the model's drafts on the device), so its
+        drafts stay; req.sa_match only says whether the automaton would have replaced them,
+        which stops the engine from chaining the step after."""
         sa = sync_index(req, SuffixAutomaton)
         req.sa_draft_span = (0, 0)
         length, cont = sa.continuation(self.max_draft_len)
-        if length < self.min_match_len or not cont:
+        req.sa_match = length >= self.min_match_len and bool(cont)
+        if not req.sa_match or in_flight:
             return
         req.draft_tokens = cont + req.draft_tokens[len(cont):]
         req.sa_draft_span = (0, len(cont))
@@ -72,7 +77,8 @@ class NGramDrafter:
     def __init__(self, min_n: int, max_n: int, max_draft_len: int):
         self.min_n, self.max_n, self.max_draft_len = min_n, max_n, max_draft_len
 
-    def propose(self, req: Request) -> None:
+    def propose(self, req: Request, in_flight: bool = False) -> None:
+        assert not in_flight, "n-gram drafts are the whole draft: no step runs ahead of them"
         index = sync_index(req, lambda: NGramIndex(self.min_n, self.max_n))
         _, req.draft_tokens = index.propose(self.max_draft_len)
         req.draft_probs = None

@@ -316,4 +316,66 @@ def test_constrained_steps_from_cuda_graphs_equal_eager_steps(k, forced):
         assert_pool_full(llm)
         if graphs:
             assert llm.engine.runner.graphs.num_constrained > 0
+            # verify rows 0..K-1 take the masks the draft loop filled for the same states
+            assert (llm.engine.runner.graphs.num_reused_masks > 0) == bool(k)
     assert runs[0] == runs[1]
+
+
+def first_allowed(row: torch.Tensor) -> int:
+    """The lowest token id a bitmask row [W] (int32, xgrammar's layout) allows."""
+    bits = (row[:, None].to(torch.int64) >> torch.arange(32)) & 1
+    return int(bits.reshape(-1).nonzero()[0])
+
+
+def test_verify_rows_reuse_the_draft_loops_masks(spec, monkeypatch):
+    """A graphed step keeps the masks its draft loop filled (DraftMasks); the next step's
+    verify rows 0..K-1 are the same matcher states, so they take those masks and only row K
+    is filled. Reused and freshly filled verify masks are identical, for a constrained and
+    a free request; a changed draft or a request that emitted other tokens fills afresh."""
+    from onespec.engine.request import Request
+    from onespec.engine.scheduler import ScheduledBatch
+    from onespec.structured.step import StepGrammar
+    backend, k = spec.engine.grammars, 3
+    so = CASES[0][2]
+    reqs = [Request("c", [1, 2], constrained(so)), Request("f", [1, 2], SamplingParams())]
+    reqs[0].grammar = backend.matcher(so)
+    batch = ScheduledBatch([], reqs, k)
+    # a step that verifies nothing the grammar allows past row 0, then drafts under masks
+    step = StepGrammar(backend, batch, [[0] * k, [0] * k], [0, 1], "cpu", host_only=True)
+    first = first_allowed(step.verify.host[0])
+    masks, drafts = [step.start([], [[first] + [0] * k, [5] * (k + 1)], [1, 1])], []
+    for j in range(k):
+        drafts.append([first_allowed(masks[-1].host[0]), 7])
+        if j < k - 1:
+            masks.append(step.advance(drafts[-1]))
+    drafts = [list(d) for d in zip(*drafts)]           # [Bg][K]
+    step.keep_draft_masks(reqs, masks, drafts, [1, 1])
+    step.rollback()
+    for req, token in zip(reqs, (first, 5)):           # what postprocess does
+        req.output_token_ids.append(token)
+        if req.grammar is not None:
+            assert req.grammar.accept_token(token)
+    fills = []
+    monkeypatch.setattr(backend, "fill", lambda m, b, indices: (
+        fills.append(len(indices)), type(backend).fill(backend, m, b, indices))[1])
+
+    def verify_masks(reuse: bool, verified=drafts) -> tuple[torch.Tensor, int]:
+        kept = reqs[0].draft_masks
+        if not reuse:
+            reqs[0].draft_masks = None
+        fills.clear()
+        g = StepGrammar(backend, batch, verified, [0, 1], "cpu", host_only=True)
+        g.rollback()
+        reqs[0].draft_masks = kept
+        return g.verify.host, g.reused
+
+    fresh, none = verify_masks(False)
+    assert none == 0 and len(fills) == k + 1
+    reused, n = verify_masks(True)
+    assert n == k and len(fills) == 1                  # row K only
+    assert torch.equal(reused, fresh)
+    assert (fresh[:k + 1] != -1).any() and (fresh[k + 1:] == -1).all()   # c masked, f free
+    other = [drafts[0][:-1] + [drafts[0][-1] + 1], drafts[1]]
+    assert verify_masks(True, other)[1] == 0           # another draft: filled afresh
+    reqs[0].output_token_ids.append(first)
+    assert verify_masks(True)[1] == 0                  # other emitted tokens: afresh

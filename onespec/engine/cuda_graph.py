@@ -70,6 +70,7 @@ class CudaGraphRunner:
         self.constrained: dict[tuple, ConstrainedGraphs] = {}   # (bucket, K, forced)
         self.constrained_pool = torch.cuda.graph_pool_handle()
         self.num_constrained = 0    # constrained steps run from graphs
+        self.num_reused_masks = 0   # their verify rows masked with the draft loop's masks
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
 
@@ -305,13 +306,21 @@ class CudaGraphRunner:
         num_acc = head[rows:rows + n]
         drafts = cg.results[rows + b:].view(b, k)
         mask = grammar.start([], accepted, num_acc) if k else None
+        used = []
         for j, graph in enumerate(cg.drafts):
             cg.masks.set_draft(mask)
+            used.append(mask)
             graph.replay()
             if j < k - 1:                                         # waits for the draft step
                 mask = grammar.advance(drafts[:n, j].tolist())
         self.num_constrained += 1
-        return num_acc, accepted, drafts[:n].tolist() if cg.drafts else [[] for _ in reqs]
+        self.num_reused_masks += grammar.reused
+        if not cg.drafts:
+            return num_acc, accepted, [[] for _ in reqs]
+        next_drafts = drafts[:n].tolist()
+        grammar.keep_draft_masks(reqs, used, next_drafts,
+                                 [len(r.output_token_ids) + a for r, a in zip(reqs, num_acc)])
+        return num_acc, accepted, next_drafts
 
     def _capture_constrained(self, b: int, k: int):
         """Captures bucket b's ConstrainedGraphs (after a warm-up run compiles its kernels).

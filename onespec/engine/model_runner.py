@@ -81,7 +81,7 @@ class ModelRunner:
         k = batch.k
         drafts = [self._verified_drafts(r, k)[0] for r in batch.generation]
         grammar = StepGrammar(self.grammar_backend, batch, drafts,
-                              list(range(len(batch.generation))), self.device)
+                              list(range(len(batch.generation))), self.device, host_only=True)
         try:
             num_acc, accepted, next_drafts = self.graphs.run_constrained(batch, grammar)
         finally:          # the matchers keep only what postprocess feeds them

@@ -74,6 +74,21 @@ class GraphMasks:
         self.load(self.draft, mask)
 
 
+@dataclass
+class DraftMasks:
+    """The grammar masks a request's last graphed draft loop used, one per draft step: the
+    mask of step j is the state after the emitted tokens and drafts 1..j, which is also
+    the state of verify row j when the next step verifies those drafts. Valid while the
+    request has emitted exactly num_outputs tokens and verifies exactly these drafts."""
+    num_outputs: int
+    drafts: list[int]
+    rows: list[torch.Tensor | None]    # [K] host bitmask row of step j (None: not masked)
+
+    def matches(self, req, drafts: list[int], k: int) -> bool:
+        return (len(self.rows) == k and self.drafts == drafts
+                and self.num_outputs == len(req.output_token_ids))
+
+
 class _Slot:
     """A drafting request's matcher and how far this step has advanced it."""
 
@@ -95,12 +110,15 @@ class _Slot:
 
 class StepGrammar:
     def __init__(self, backend, batch: "ScheduledBatch", drafts: list[list[int]],
-                 draft_reqs: list[int], device):
+                 draft_reqs: list[int], device, host_only: bool = False):
         """backend: the GrammarBackend; drafts: [Bg][K] the drafts each generation request
         verifies; draft_reqs: batch indices of the requests that draft this step (context
-        chunks first)."""
+        chunks first). host_only: masks are kept on the host only (RowMask.rows and .host:
+        a graphed step copies them into its own buffers, GraphMasks), and verify rows reuse
+        the draft loop's masks (DraftMasks)."""
         self.vocab_size, self.device = backend.vocab_size, device
-        self.fill = backend.fill
+        self.fill, self.host_only = backend.fill, host_only
+        self.reused = 0          # verify rows whose mask came from the last draft loop
         self.verify = self._verify_mask(batch, drafts)
         num_ctx = len(batch.context)
         reqs = batch.requests
@@ -119,6 +137,8 @@ class StepGrammar:
     def _row_mask(self, bitmask: torch.Tensor, rows: list[int]) -> RowMask | None:
         if not rows:
             return None
+        if self.host_only:
+            return RowMask(None, rows, None, None, bitmask)
         taken = set(rows)
         free = [i for i in range(bitmask.shape[0]) if i not in taken]
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
@@ -136,6 +156,10 @@ class StepGrammar:
             self.fill([batch.context[i].req.grammar for i in rows], bitmask, indices=rows)
         slots = [(_Slot(r.grammar, ("gen", g)), num_ctx + g * (k + 1), drafts[g])
                  for g, r in enumerate(batch.generation) if r.grammar is not None]
+        # masks of rows 0..K-1 the last draft loop filled for these very drafts and states
+        reuse = {g: m.rows for g, r in enumerate(batch.generation)
+                 if self.host_only and (m := r.draft_masks) is not None
+                 and m.matches(r, drafts[g], k)}
         # per generation request: how many of its leading drafts the grammar allows
         self.valid_drafts = [k] * len(batch.generation)
         try:
@@ -144,7 +168,17 @@ class StepGrammar:
                 if not live:
                     break
                 index = [base + j for _, base in live]
-                self.fill([s.matcher for s, _ in live], bitmask, indices=index)
+                fresh = []
+                for s, base in live:
+                    kept = reuse[s.source[1]][j] if j < k and s.source[1] in reuse else None
+                    if kept is None:
+                        fresh.append((s, base + j))
+                    else:
+                        bitmask[base + j] = kept
+                        self.reused += 1
+                if fresh:
+                    self.fill([s.matcher for s, _ in fresh], bitmask,
+                              indices=[i for _, i in fresh])
                 rows += index
                 if j < k:
                     for s, _, d in slots:
@@ -187,6 +221,19 @@ class StepGrammar:
         if rows:
             self.fill([self.slots[r].matcher for r in rows], bitmask, indices=rows)
         return self._row_mask(bitmask, rows)
+
+    def keep_draft_masks(self, reqs, masks: list[RowMask | None], drafts: list[list[int]],
+                         num_outputs: list[int]):
+        """After a graphed draft loop: each constrained request keeps the masks its draft
+        steps used (masks[j], step j's) for the next step's verify rows, which are masked
+        with the same states. drafts [Bg][K]: the drafts picked; num_outputs: each
+        request's emitted-token count once this step's tokens are appended."""
+        for g, req in enumerate(reqs):
+            if req.grammar is None:
+                continue
+            rows = [m.host[g].clone() if m is not None and g in m.rows else None
+                    for m in masks]
+            req.draft_masks = DraftMasks(num_outputs[g], list(drafts[g]), rows)
 
     def rollback(self):
         """Every matcher back to the request's emitted tokens (before this step's)."""

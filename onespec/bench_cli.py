@@ -81,8 +81,8 @@ def parse_args(argv):
                    help="dynamic trees DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32): rows "
                         "at each --acceptance value up to DEPTH+1 (the forced path length)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="the engine's attention backend (auto: torch for trees; trees run "
-                        "without CUDA graphs)")
+                   help="the engine's attention backend (auto: triton on CUDA, where steps "
+                        "replay CUDA graphs, trees included; torch on the CPU)")
     p.add_argument("--overlap-scheduler", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each graphed step before the previous one is read (engine)")
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",

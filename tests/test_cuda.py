@@ -79,27 +79,51 @@ def test_greedy_lossless_on_cuda(pair, k, kw):
     assert_pool_full(llm)
 
 
-@pytest.mark.parametrize("dtype", ["float32"])   # bf16: one of five prompts parts at token 16
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("kw", [{}, {"max_num_tokens": 12},
                                 {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}],
                          ids=["batch", "chunked", "preempt"])
-def test_tree_on_triton_equals_plain(pair, dtype, kw):
-    """Dynamic trees on the Triton backend (attention_backend="triton"): tree-masked verify
-    and draft passes in the Triton attention kernel; greedy output equals plain decoding
-    on the same backend (whose CUDA graphs stay on; tree steps run eagerly)."""
+def test_tree_on_triton_equals_plain(pair, graphs, kw):
+    """Dynamic trees on the Triton backend (the default on CUDA): tree-masked verify and
+    draft passes in the Triton attention kernel, eagerly and from CUDA graphs captured per
+    (bucket, tree); greedy output equals plain decoding (float32) and the pool is whole."""
     from onespec import LLM, Eagle3Config, SamplingParams
     target, _, head = pair
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain = LLM(target, device="cuda", dtype=dtype, **kw).generate(PROMPTS, sp)
+    plain = LLM(target, device="cuda", dtype="float32", **kw).generate(PROMPTS, sp)
     cfg = Eagle3Config(head, max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
                        max_total_draft_tokens=10)
-    llm = LLM(target, device="cuda", dtype=dtype, speculative_config=cfg,
-              attention_backend="triton", **kw)
-    assert llm.engine.kernel_settings.triton and llm.engine.runner.graphs is None
+    llm = LLM(target, device="cuda", dtype="float32", speculative_config=cfg,
+              cuda_graphs=graphs, **kw)
+    assert llm.engine.kernel_settings.triton
     outs = llm.generate(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.stats()["num_draft_tokens"] > 0
+    runner = llm.engine.runner.graphs
+    assert (runner is not None and runner.num_replays > 0) == graphs
+    if graphs:
+        assert runner.num_chained == 0          # tree steps are launched, never chained
     assert_pool_full(llm)
+
+
+def test_tree_graphs_forced_acceptance_match_eager(pair):
+    """Forced accepted path lengths (the bench's tree rows) from CUDA graphs: the same
+    tokens and accepted counts as eager tree steps, over buckets with padding rows."""
+    from onespec import LLM, Eagle3Config, SamplingParams
+    target, _, head = pair
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        cfg = Eagle3Config(head, max_draft_len=4, use_dynamic_tree=True,
+                           dynamic_tree_max_topK=2, max_total_draft_tokens=8,
+                           force_acceptance_length=3.0)
+        llm = LLM(target, device="cuda", dtype="float32", speculative_config=cfg,
+                  cuda_graphs=graphs, max_batch_size=8)
+        outs = llm.generate(PROMPTS[:3], sp)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.stats()["num_accepted_draft_tokens"]))
+        assert_pool_full(llm)
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
+from onespec.speculative.shape import ChainShape
+from onespec.speculative.tree import TreeInputs, ancestor_matrix, mask_tree_block
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import GraphMasks, StepGrammar
 
@@ -73,6 +75,11 @@ class CudaGraphRunner:
         self.num_reused_masks = 0   # their verify rows masked with the draft loop's masks
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
+        self.tree = worker.tree                # dynamic trees: a step of K > 0 is a tree's
+        self.shape = worker.tree or ChainShape()
+
+    def _is_tree(self, k: int) -> bool:
+        return self.tree is not None and k > 0
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]
@@ -104,48 +111,64 @@ class CudaGraphRunner:
         return self.bufs[k]
 
     def _layout(self, b: int, k: int) -> tuple[int, int, int, int, int, int]:
-        """Offsets of input_ids, positions [b (k+1)], draft tokens [b, k], block tables
-        [b, width], chain sources [b] (kernels/chain.py) and the end, for bucket b."""
-        rows = b * (k + 1)
-        o_tables = 2 * rows + b * k
+        """Offsets of input_ids, positions [b, R], draft tokens [b, D] (a tree's: then their
+        parents [b, D]), block tables [b, width], chain sources [b] (kernels/chain.py) and
+        the end, for bucket b. R, D: verify rows and drafts a request (K + 1 and K for a
+        chain, N + 1 and N for a tree of N nodes)."""
+        rows = b * self.shape.verify_rows(k)
+        drafts = b * self.shape.num_drafts(k) * (2 if self._is_tree(k) else 1)
+        o_tables = 2 * rows + drafts
         o_src = o_tables + b * self.width
         return 0, rows, 2 * rows, o_tables, o_src, o_src + b
 
-    @staticmethod
-    def _results_size(b: int, k: int) -> int:
+    def _results_size(self, b: int, k: int) -> int:
         """Length of a step's results for bucket b: accepted rows [b, k+1], accepted counts
-        [b], next drafts [b, k] (kernels/chain.py reads them in this order)."""
-        return b * (2 * k + 2)
+        [b], next drafts [b, D] (kernels/chain.py reads them in this order) and a tree's
+        parents [b, D]."""
+        drafts = self.shape.num_drafts(k) * (2 if self._is_tree(k) else 1)
+        return b * (k + 2 + drafts)
 
     def _step(self, b: int, k: int, buf: dict | None = None):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
         results to `prev` (of `buf`, by default draft length k's buffers)."""
         from onespec.kernels.chain import chain_inputs   # Triton: only where graphs run
         buf = buf or self._buffers(k)
-        layout = self._layout(b, k)
-        chain_inputs(buf["dev"], buf["prev"], layout, b, k)
+        if not self._is_tree(k):                # tree steps are never chained
+            chain_inputs(buf["dev"], buf["prev"], self._layout(b, k), b, k)
         res = self.worker.step(self._inputs(b, k, buf["dev"]))
-        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1)])
+        parents = [res.draft_parents.reshape(-1)] if self._is_tree(k) else []
+        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1),
+                         *parents])
         buf["prev"][:out.numel()].copy_(out)
 
     def _inputs(self, b: int, k: int, dev: torch.Tensor, grammar=None) -> StepInputs:
         """The step inputs of bucket b, views of the device input buffer `dev`."""
         o_ids, o_pos, o_drafts, o_tables, _, _ = self._layout(b, k)
-        rows = b * (k + 1)
+        r, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
+        rows = b * r
         ids, pos = dev[o_ids:o_pos], dev[o_pos:o_drafts]
         tables = dev[o_tables:o_tables + b * self.width].view(b, self.width)
-        meta = build_attention_metadata(tables, k + 1, pos, self.block_size,
+        meta = build_attention_metadata(tables, r, pos, self.block_size,
                                         sliding_window=self.sliding_window, backend="triton")
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        every = torch.arange(b, device=self.device)
+        tree = None
+        if self._is_tree(k):       # as ModelRunner._tree_inputs, from the parents on the device
+            parents = dev[o_drafts + b * nd:o_tables].view(b, nd)
+            ancestors = ancestor_matrix(parents, self.tree.depth)           # [b, R, R]
+            base = pos.view(b, r)[:, 0]                                     # P
+            rotary = (base[:, None] + ancestors.sum(-1) - 1).reshape(-1)   # P + depth
+            tree = TreeInputs(parents, ancestors, rotary,
+                              mask_tree_block(meta, every, base, ancestors))
         return StepInputs(
             input_ids=ids, positions=pos, meta=meta, block_tables=tables, num_ctx=0,
             num_gen=b, k=k, logit_rows=torch.arange(rows, device=self.device),
-            ctx_last_rows=empty, draft_ctx_rows=empty,
-            draft_reqs=torch.arange(b, device=self.device), gen_start=0,
-            shift_ids=torch.full_like(ids, -1), draft_tokens=dev[o_drafts:o_tables].view(b, k),
+            ctx_last_rows=empty, draft_ctx_rows=empty, draft_reqs=every, gen_start=0,
+            shift_ids=torch.full_like(ids, -1),
+            draft_tokens=dev[o_drafts:o_drafts + b * nd].view(b, nd),
             draft_probs=None, row_sampling=self.greedy(rows), gen_sampling=self.greedy(b),
             draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size,
-            grammar=grammar)
+            grammar=grammar, tree=tree)
 
     def _fill_inputs(self, reqs, b: int, k: int, host: torch.Tensor, chained: bool = False):
         """Writes the step's inputs into a pinned host buffer in bucket b's layout; rows
@@ -154,24 +177,28 @@ class CudaGraphRunner:
         has not seen: its tokens and drafts come from there on the device, and its
         positions (written here as that step's) move on by its accepted count."""
         o_ids, o_pos, o_drafts, o_tables, o_src, end = self._layout(b, k)
+        r_, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
         host = host.numpy()
         n = len(reqs)
-        ids = host[o_ids:o_pos].reshape(b, k + 1)
-        pos = host[o_pos:o_drafts].reshape(b, k + 1)
-        drafts = host[o_drafts:o_tables].reshape(b, k)
+        ids = host[o_ids:o_pos].reshape(b, r_)
+        pos = host[o_pos:o_drafts].reshape(b, r_)
+        drafts = host[o_drafts:o_drafts + b * nd].reshape(b, nd)
+        parents = host[o_drafts + b * nd:o_tables].reshape(b, nd) if self._is_tree(k) else None
         tables = host[o_tables:o_src].reshape(b, self.width)
         src = host[o_src:end]
         ids.fill(0)
-        drafts.fill(0)
+        host[o_drafts:o_tables] = 0                # padding trees: every node under the root
         tables.fill(self.scratch_block)
         src.fill(-1)
-        pos[:] = np.arange(k + 1)
+        pos[:] = np.arange(r_)
         for i, r in enumerate(reqs):
             pos[i] += r.num_computed
             tables[i, :len(r.block_table)] = r.block_table
             if not chained:
-                d = r.draft_tokens[:k]
-                drafts[i, :len(d)] = d
+                d, par = self.shape.verified_drafts(r, k)
+                drafts[i] = d
+                if par is not None:
+                    parents[i] = par
                 ids[i, 0] = r.token_ids[-1]
         if chained:
             src[:n] = np.arange(n)
@@ -238,6 +265,7 @@ class CudaGraphRunner:
         already captured (capturing would overwrite them)."""
         b = self.bucket(len(batch.generation))
         return (batch.k == prev.batch.k and b == prev.bucket and self.can_run(batch)
+                and not self._is_tree(batch.k)    # kernels/chain.py moves chains only
                 and (b, batch.k, self.worker.forced_key) in self.graphs)
 
     def launch(self, batch: ScheduledBatch, chained: bool = False) -> PendingStep:
@@ -271,10 +299,12 @@ class CudaGraphRunner:
         buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
         return slot
 
-    def collect(self, step: PendingStep) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """Waits for a launched step; returns (num_accepted, accepted rows, drafts) of its
-        real requests."""
+    def collect(self, step: PendingStep) -> tuple[list[int], list[list[int]], list[list[int]],
+                                                  list[list[int]] | None]:
+        """Waits for a launched step; returns (num_accepted, accepted rows, drafts, a
+        tree's parents or None) of its real requests."""
         k, b, n = step.batch.k, step.bucket, len(step.batch.generation)
+        nd = self.shape.num_drafts(k)
         buf = self._buffers(k)
         buf["events"][step.slot].synchronize()          # the step's one sync
         rows = b * (k + 1)
@@ -282,8 +312,11 @@ class CudaGraphRunner:
         accepted = [flat[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
         num_acc = flat[rows:rows + n]
         base = rows + b
-        next_drafts = [flat[base + i * k:base + (i + 1) * k] for i in range(n)]
-        return num_acc, accepted, next_drafts
+        next_drafts = [flat[base + i * nd:base + (i + 1) * nd] for i in range(n)]
+        base += b * nd
+        parents = [flat[base + i * nd:base + (i + 1) * nd] for i in range(n)] \
+            if self._is_tree(k) else None
+        return num_acc, accepted, next_drafts, parents
 
     # ---- steps with grammar-constrained requests --------------------------------------
     def run_constrained(self, batch: ScheduledBatch, grammar: StepGrammar

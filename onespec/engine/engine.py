@@ -141,9 +141,9 @@ class Engine:
                             force_acceptance_rates=sc.force_acceptance_rates if sc else None,
                             tree=self.tree)
         graphs = None
-        if config.cuda_graphs and self.kernel_settings.triton and self.tree is None and \
+        if config.cuda_graphs and self.kernel_settings.triton and \
                 not worker.use_rejection_sampling:
-            # (tree steps and rejection sampling run eagerly: no graphs are captured for them)
+            # (rejection sampling runs eagerly: no graphs are captured for it)
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -247,7 +247,7 @@ class Engine:
                 raise ValueError(f"attention_backend='triton' has no tree masks for "
                                  f"{target_cls.__name__}; use_dynamic_tree runs on "
                                  "attention_backend='torch' there")
-            if backend != "triton":   # Triton tree masks are opt-in until run on a GPU
+            if backend == "auto" and not tree_masks:
                 return "torch"
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and not portable_only \

@@ -9,12 +9,13 @@ from onespec.engine.request import Request
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
+from onespec.speculative.shape import ChainShape
 from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import StepGrammar
 
 PLACEHOLDER = -1      # step-0 draft input not known until this step's tokens are sampled
-PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
+CHAIN = ChainShape()
 
 
 def drafting_requests(batch: ScheduledBatch) -> list[int]:
@@ -105,8 +106,8 @@ class ModelRunner:
         return self.graphs.launch(batch, chained=after is not None)
 
     def collect(self, step: PendingStep) -> StepOutput:
-        num_acc, accepted, drafts = self.graphs.collect(step)
-        return StepOutput([], accepted, num_acc, drafts)
+        num_acc, accepted, drafts, parents = self.graphs.collect(step)
+        return StepOutput([], accepted, num_acc, drafts, draft_parents=parents)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k
@@ -179,15 +180,8 @@ class ModelRunner:
 
     def _verified_drafts(self, req: Request, k: int) -> tuple[list[int], list[int] | None]:
         """The drafts a generation request verifies this step and, for a tree, their
-        parents. Missing drafts are padding: a chain's are token 0, a tree's N nodes of
-        token 0 under the root (verifying them stays lossless)."""
-        tree = self.worker.tree if k else None
-        if tree is None:
-            return (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k], None
-        n = tree.num_nodes
-        if len(req.draft_tokens) == n and len(req.draft_parents) == n:
-            return list(req.draft_tokens), list(req.draft_parents)
-        return [PAD_DRAFT] * n, [0] * n
+        parents (shape.py: a tree's padding is N nodes of PAD_DRAFT under the root)."""
+        return (self.worker.tree or CHAIN).verified_drafts(req, k)
 
     def _tree_inputs(self, batch: ScheduledBatch, meta, tree_parents, rotary) -> TreeInputs:
         """The tree verify: each generation request's rows see the prefix and their own

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from onespec.engine.kv_cache import slots_per_step
 
+PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
+
 
 @dataclass(frozen=True)
 class ChainShape:
@@ -27,6 +29,11 @@ class ChainShape:
     def ctx_slots(self, k: int) -> int:
         """Slots past the end of a prompt's last chunk its draft passes write (K - 1)."""
         return max(k - 1, 0) if self.drafting else 0
+
+    def verified_drafts(self, req, k: int) -> tuple[list[int], list[int] | None]:
+        """The drafts a generation request verifies in a step of draft length k, and None
+        (a chain has no parents). Missing drafts are padding (PAD_DRAFT)."""
+        return (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k], None
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,14 @@ class TreeShape:
 
     def ctx_slots(self, k: int) -> int:
         return self.num_draft_slots if k else 0
+
+    def verified_drafts(self, req, k: int) -> tuple[list[int], list[int] | None]:
+        """The nodes a generation request verifies and their parents; K = 0 is a chain's
+        (no drafts). A request without a whole tree (its first step, or after a K = 0
+        step) verifies N padding nodes under the root."""
+        if not k:
+            return [], None
+        n = self.num_nodes
+        if len(req.draft_tokens) == n and len(req.draft_parents) == n:
+            return list(req.draft_tokens), list(req.draft_parents)
+        return [PAD_DRAFT] * n, [0] * n

@@ -90,6 +90,7 @@ def test_tree_on_triton_equals_plain(pair, graphs, kw):
     from onespec import LLM, Eagle3Config, SamplingParams
     target, _, head = pair
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(kw, max_batch_size=8)           # graph buckets 1, 2, 4, 8
     plain = LLM(target, device="cuda", dtype="float32", **kw).generate(PROMPTS, sp)
     cfg = Eagle3Config(head, max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3,
                        max_total_draft_tokens=10)

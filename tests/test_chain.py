@@ -1,5 +1,6 @@
 """The overlap scheduler's device-side inputs (kernels/chain.py): the Triton kernel against
-its PyTorch reference (in Triton's interpreter without CUDA, see conftest)."""
+its PyTorch reference (in Triton's interpreter without CUDA, see conftest), and the tree
+steps' chaining against a loop over the rows."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from onespec.kernels.chain import chain_inputs, chain_inputs_reference  # noqa: E402
+from onespec.kernels.chain import (chain_inputs, chain_inputs_reference,  # noqa: E402
+                                   chain_tree_inputs)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,3 +49,36 @@ def test_chain_inputs_matches_reference(k):
         untouched[offsets[1] + i * (k + 1):offsets[1] + (i + 1) * (k + 1)] = False
         untouched[offsets[2] + i * k:offsets[2] + (i + 1) * k] = False
     assert torch.equal(want[untouched], inp[untouched])
+
+
+@pytest.mark.parametrize("depth,nodes", [(1, 2), (4, 10)])
+def test_chain_tree_inputs(depth, nodes):
+    """A chained tree step's inputs: rows with a source take its last accepted token, its
+    new nodes and their parents, and move their positions on by its accepted count; rows
+    without one, and everything past the nodes' parents, keep the host's values."""
+    b, width, r = 4, 3, nodes + 1
+    g = torch.Generator().manual_seed(depth)
+    o_tables = 2 * b * r + 2 * b * nodes
+    offsets = (0, b * r, 2 * b * r, o_tables, o_tables + b * width, o_tables + b * width + b)
+    inp = torch.randint(0, 1000, (offsets[-1],), generator=g)
+    inp[offsets[4]:] = torch.tensor([2, -1, 0, -1])
+    rows = b * (depth + 1)
+    prev = torch.cat([torch.randint(0, 1000, (rows,), generator=g),
+                      torch.randint(1, depth + 2, (b,), generator=g),
+                      torch.randint(0, 1000, (b * nodes,), generator=g),
+                      torch.randint(0, nodes, (b * nodes,), generator=g)])
+    want = inp.clone()
+    for i, j in ((0, 2), (2, 0)):
+        num = int(prev[rows + j])
+        drafts = prev[rows + b + j * nodes:rows + b + (j + 1) * nodes]
+        parents = prev[rows + b + b * nodes + j * nodes:rows + b + b * nodes + (j + 1) * nodes]
+        want[i * r] = prev[j * (depth + 1) + num - 1]
+        want[i * r + 1:(i + 1) * r] = drafts
+        want[offsets[1] + i * r:offsets[1] + (i + 1) * r] += num
+        want[offsets[2] + i * nodes:offsets[2] + (i + 1) * nodes] = drafts
+        p0 = offsets[2] + b * nodes + i * nodes
+        want[p0:p0 + nodes] = parents
+    got = inp.clone().to(DEV)
+    chain_tree_inputs(got, prev.to(DEV), offsets, b, depth, nodes)
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, inp)

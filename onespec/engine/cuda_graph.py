@@ -8,8 +8,8 @@ touch nothing real; their rows are dropped from the results.
 
 A step is launched (inputs copied in, graph replayed, results copied out, an event
 recorded) and collected later, so the overlap scheduler (engine.py) can launch the next
-step, its inputs chained from this one's results on the device (kernels/chain.py), before this
-one is read.
+step, its inputs chained from this one's results on the device (kernels/chain.py; a tree's
+nodes and parents too), before this one is read.
 """
 from __future__ import annotations
 
@@ -131,9 +131,12 @@ class CudaGraphRunner:
     def _step(self, b: int, k: int, buf: dict | None = None):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
         results to `prev` (of `buf`, by default draft length k's buffers)."""
-        from onespec.kernels.chain import chain_inputs   # Triton: only where graphs run
-        buf = buf or self._buffers(k)
-        if not self._is_tree(k):                # tree steps are never chained
+        from onespec.kernels.chain import chain_inputs, chain_tree_inputs  # Triton: only
+        buf = buf or self._buffers(k)                                      # where graphs run
+        if self._is_tree(k):
+            chain_tree_inputs(buf["dev"], buf["prev"], self._layout(b, k), b, k,
+                              self.tree.num_nodes)
+        else:
             chain_inputs(buf["dev"], buf["prev"], self._layout(b, k), b, k)
         res = self.worker.step(self._inputs(b, k, buf["dev"]))
         parents = [res.draft_parents.reshape(-1)] if self._is_tree(k) else []
@@ -265,7 +268,6 @@ class CudaGraphRunner:
         already captured (capturing would overwrite them)."""
         b = self.bucket(len(batch.generation))
         return (batch.k == prev.batch.k and b == prev.bucket and self.can_run(batch)
-                and not self._is_tree(batch.k)    # kernels/chain.py moves chains only
                 and (b, batch.k, self.worker.forced_key) in self.graphs)
 
     def launch(self, batch: ScheduledBatch, chained: bool = False) -> PendingStep:

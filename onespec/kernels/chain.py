@@ -63,3 +63,29 @@ def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple
         ids[i, 1:] = prev_drafts[j]
         drafts[i] = prev_drafts[j]
         pos[i] += n
+
+
+def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...], b: int,
+                      k: int, num_nodes: int):
+    """chain_inputs for tree steps of depth k and num_nodes nodes, in PyTorch operations
+    (no host sync: graph-capturable, and runs on any device). The inputs hold ids and
+    positions [b, N+1], nodes [b, N], then their parents [b, N]; the previous step's
+    results hold accepted [b, k+1], counts [b], nodes [b, N], parents [b, N]. Row i with
+    source j >= 0 takes ids [last accepted of j, nodes of j], j's nodes and parents, and
+    its positions + num_accepted[j]; other rows keep the host's inputs."""
+    o_ids, o_pos, o_drafts, o_tables, o_src, end = offsets
+    n, r, rows = num_nodes, num_nodes + 1, b * (k + 1)
+    src = inp[o_src:end]
+    has = (src >= 0)[:, None]
+    j = src.clamp(min=0)
+    num = prev[rows:rows + b][j]                                           # [b]
+    last = prev[:rows].view(b, k + 1)[j].gather(1, (num - 1).clamp(min=0)[:, None])
+    nodes = prev[rows + b:rows + b + b * n].view(b, n)[j]
+    parents = prev[rows + b + b * n:rows + b + 2 * b * n].view(b, n)[j]
+    ids = inp[o_ids:o_pos].view(b, r)
+    ids.copy_(torch.where(has, torch.cat([last, nodes], 1), ids))
+    pos = inp[o_pos:o_drafts].view(b, r)
+    pos.add_(torch.where(has, num[:, None], 0))
+    for dst, val in ((inp[o_drafts:o_drafts + b * n].view(b, n), nodes),
+                     (inp[o_drafts + b * n:o_tables].view(b, n), parents)):
+        dst.copy_(torch.where(has, val, dst))

@@ -44,9 +44,11 @@ def draft_tree(drafter: Drafter, h: Tensor, pos: Tensor, block_tables: Tensor,
     width = shape.num_draft_slots
     ancestors = torch.zeros(batch, k, width, dtype=torch.bool, device=device)
     own = torch.arange(k, device=device)
+    true = torch.ones((), dtype=torch.bool, device=device)   # (a Python True is a host copy,
+    #                                                         which graph capture refuses)
     carried = h.repeat_interleave(k, 0)                                  # [B·k, H]
     for d in range(1, shape.depth):
-        ancestors[:, own, (d - 1) * k + own] = True          # each node sees its own entry
+        ancestors[:, own, (d - 1) * k + own] = true          # each node sees its own entry
         cache_pos = (pos[:, None] + 1 + (d - 1) * k + own).reshape(-1)  # [B·k]
         meta = build_attention_metadata(block_tables, k, cache_pos, block_size, max_kv,
                                         None, backend)

@@ -423,13 +423,13 @@ class Engine:
 
         Host drafts are known only once `current` is read, so the n-gram drafter never
         chains. With the suffix-automaton enhancer the chained step verifies the model's
-        drafts, so it is launched only while the automaton matches none of the requests
-        (neither in `current`'s drafts nor at the last proposal): when a match starts, the
-        steps run serially (each verifying the automaton's drafts) until it ends."""
+        drafts, so it is launched only while the automaton matched none of the requests at
+        its last proposal (which set `current`'s drafts, or ran while `current` was in
+        flight): when a match starts, the steps run serially (each verifying the
+        automaton's drafts) until it ends."""
         sched = self.scheduler
         reqs = current.batch.generation
-        if isinstance(self.host_drafter, NGramDrafter) or any(
-                r.sa_match or r.sa_draft_span[1] for r in reqs):
+        if isinstance(self.host_drafter, NGramDrafter) or any(r.sa_match for r in reqs):
             return None
         if sched.waiting or len(sched.running) != len(reqs) or \
                 any(r.status != RequestStatus.RUNNING for r in reqs):

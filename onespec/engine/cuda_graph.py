@@ -180,11 +180,11 @@ class CudaGraphRunner:
         has not seen: its tokens and drafts come from there on the device, and its
         positions (written here as that step's) move on by its accepted count."""
         o_ids, o_pos, o_drafts, o_tables, o_src, end = self._layout(b, k)
-        r_, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
+        r, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
         host = host.numpy()
         n = len(reqs)
-        ids = host[o_ids:o_pos].reshape(b, r_)
-        pos = host[o_pos:o_drafts].reshape(b, r_)
+        ids = host[o_ids:o_pos].reshape(b, r)
+        pos = host[o_pos:o_drafts].reshape(b, r)
         drafts = host[o_drafts:o_drafts + b * nd].reshape(b, nd)
         parents = host[o_drafts + b * nd:o_tables].reshape(b, nd) if self._is_tree(k) else None
         tables = host[o_tables:o_src].reshape(b, self.width)
@@ -193,16 +193,16 @@ class CudaGraphRunner:
         host[o_drafts:o_tables] = 0                # padding trees: every node under the root
         tables.fill(self.scratch_block)
         src.fill(-1)
-        pos[:] = np.arange(r_)
-        for i, r in enumerate(reqs):
-            pos[i] += r.num_computed
-            tables[i, :len(r.block_table)] = r.block_table
+        pos[:] = np.arange(r)
+        for i, req in enumerate(reqs):
+            pos[i] += req.num_computed
+            tables[i, :len(req.block_table)] = req.block_table
             if not chained:
-                d, par = self.shape.verified_drafts(r, k)
+                d, par = self.shape.verified_drafts(req, k)
                 drafts[i] = d
                 if par is not None:
                     parents[i] = par
-                ids[i, 0] = r.token_ids[-1]
+                ids[i, 0] = req.token_ids[-1]
         if chained:
             src[:n] = np.arange(n)
         else:

@@ -130,6 +130,35 @@ def test_tree_graphs_forced_acceptance_match_eager(pair):
     assert runs[0][1] > 0
 
 
+def test_tensor_parallel_layers_on_triton_in_cuda_graphs(pair):
+    """A tensor-parallel engine of one NCCL rank: the sharded layers (row-parallel
+    linears all-reducing, the vocabulary-parallel embedding and LM head) through the
+    Triton backend, with the collectives captured in CUDA graphs and the overlap scheduler
+    chaining them; greedy EAGLE-3 output equals plain decoding (float32)."""
+    from onespec import Eagle3Config, LLM, SamplingParams
+    from onespec.config import EngineConfig
+    from onespec.distributed.group import TensorParallel, rendezvous_store
+    from onespec.distributed.layers import ParallelLMHead, RowParallelLinear
+    from onespec.engine.engine import Engine
+    target, _, head = pair
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLM(target, device="cuda", dtype="float32").generate(PROMPTS, sp)
+    group = TensorParallel.join(0, 1, rendezvous_store(1), torch.device("cuda", 0))
+    eng = Engine(EngineConfig(model=target, device="cuda", dtype="float32", max_batch_size=8),
+                 Eagle3Config(head, max_draft_len=3), parallel=group)
+    assert type(eng.ops).__name__ == "TensorParallelTritonOps"
+    assert isinstance(eng.model.lm_head, ParallelLMHead)
+    assert isinstance(eng.model.model.layers[0].self_attn.o_proj, RowParallelLinear)
+    reqs = [eng.add_request(p, sp) for p in PROMPTS]
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == [o.outputs[0].token_ids for o in plain]
+    graphs = eng.runner.graphs
+    assert graphs.num_replays > 0 and graphs.num_chained > 0
+    assert eng.stats.as_dict()["num_accepted_draft_tokens"] > 0
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
 @pytest.mark.parametrize("k", [0, 3])
 @pytest.mark.parametrize("num_prompts", [3, 5])          # buckets 4 and 8: padded rows
 def test_cuda_graphs_agree_with_eager(pair, k, num_prompts):

@@ -166,7 +166,7 @@ def test_unsupported_splits_are_refused_before_starting(small_model, tmp_path):
         EngineConfig(model=small_model, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="must divide num_attention_heads=4"):
         LLM(small_model, tensor_parallel_size=3, device="cpu")
-    with pytest.raises(ValueError, match="attention_backend='triton'"):
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
         LLM(small_model, tensor_parallel_size=2, device="cpu", attention_backend="triton")
     other = tmp_path / "other"
     other.mkdir()
@@ -177,10 +177,12 @@ def test_unsupported_splits_are_refused_before_starting(small_model, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-def test_two_gpus_greedy_equals_transformers(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_two_gpus_greedy_equals_transformers(tmp_path, backend):
     hf = make_hf_model(tmp_path, "llama", vocab_size=127)
     with LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", device="cuda",
-             max_num_tokens=9) as llm:
+             max_num_tokens=9, attention_backend=backend) as llm:
+        assert llm.engine.kernel_settings.triton == (backend == "triton")
         got = token_ids(llm.generate(PROMPTS, GREEDY))
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
 

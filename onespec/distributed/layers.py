@@ -97,9 +97,26 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
+    @property
+    def partial(self) -> "_Partial":
+        """This rank's term of the sum, x_shard @ W_shard.T, neither reduced nor biased:
+        a linear layer to a backend (its weight is this layer's)."""
+        return _Partial(self.weight)
+
     def forward(self, x):
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class _Partial:
+    """What a backend reads of a linear layer (weight, bias, calling it), unreduced."""
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: nn.Parameter):
+        self.weight, self.bias = weight, None
+
+    def __call__(self, x):
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -140,9 +157,34 @@ class ParallelLMHead(nn.Linear):
         return ids.gather(0, rank).squeeze(0)
 
 
-class TensorParallelOps(TorchOps):
-    """The portable backend, with the vocabulary-parallel LM head's logits gathered and its
-    greedy tokens picked from (max, index) pairs; any other layer as TorchOps."""
+class TensorParallelOps:
+    """Mixed in before a backend (TorchOps or TritonOps; tensor_parallel_ops builds the
+    class): a row-parallel linear's partial product goes through the backend's own kernel,
+    is all-reduced, and only then takes its bias, the residual and the norm after it; the
+    vocabulary-parallel LM head's logits are gathered and its greedy tokens picked from
+    per-rank (max, index) pairs. Any other layer goes to the backend as it is."""
+
+    def linear(self, layer: nn.Linear, x, residual=None, out_dtype=None):
+        if not isinstance(layer, RowParallelLinear):
+            return super().linear(layer, x, residual, out_dtype)
+        y = layer.tp.all_reduce(super().linear(layer.partial, x))
+        if layer.bias is not None:
+            y = y + layer.bias
+        if residual is not None:
+            y = residual + y
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def add_norm(self, layer: nn.Linear, x, residual, norm: RMSNorm,
+                 early_release: bool = False):
+        if not isinstance(layer, RowParallelLinear):
+            return super().add_norm(layer, x, residual, norm, early_release)
+        return self.add_full_norm(layer, x, residual, norm)
+
+    def add_full_norm(self, layer: nn.Linear, x, residual, norm: RMSNorm):
+        if not isinstance(layer, RowParallelLinear):
+            return super().add_full_norm(layer, x, residual, norm)
+        h = self.linear(layer, x, residual)
+        return h, self.norm(norm, h)
 
     def logits(self, layer: nn.Linear, x, norm: RMSNorm | None = None) -> torch.Tensor:
         y = super().logits(layer, x, norm)
@@ -152,7 +194,15 @@ class TensorParallelOps(TorchOps):
                offsets: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(layer, ParallelLMHead):
             return super().greedy(layer, x, norm, offsets)
-        return layer.greedy(TorchOps.logits(self, layer, x, norm))
+        return layer.greedy(super().logits(layer, x, norm))
+
+
+def tensor_parallel_ops(base: TorchOps) -> TorchOps:
+    """The backend `base` with TensorParallelOps in front (its settings kept)."""
+    cls = type(f"TensorParallel{type(base).__name__}", (TensorParallelOps, type(base)), {})
+    ops = cls.__new__(cls)
+    ops.__dict__.update(base.__dict__)
+    return ops
 
 
 def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import torch
 
 from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.distributed import TensorParallel, WorkerFailure
-from onespec.distributed.layers import TensorParallelOps
+from onespec.distributed.layers import tensor_parallel_ops
 from onespec.distributed.workers import DriverWorker, start_workers
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
@@ -88,8 +88,9 @@ class Engine:
         # is built with
         self.kernel_settings = KernelSettings(triton=backend == "triton",
                                               pdl=config.programmatic_launch)
-        self.ops = make_ops(self.kernel_settings) if self.parallel is None else \
-            TensorParallelOps()
+        self.ops = make_ops(self.kernel_settings)
+        if self.parallel is not None:
+            self.ops = tensor_parallel_ops(self.ops)
         self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops,
                                  self.parallel)
         self.tokenizer = load_tokenizer(config.model)
@@ -142,8 +143,9 @@ class Engine:
                             tree=self.tree)
         graphs = None
         if config.cuda_graphs and self.kernel_settings.triton and \
-                not worker.use_rejection_sampling:
-            # (rejection sampling runs eagerly: no graphs are captured for it)
+                not worker.use_rejection_sampling and not self._several_ranks:
+            # (rejection sampling runs eagerly: no graphs are captured for it; nor are
+            # they on several ranks, whose replays would have to be mirrored rank by rank)
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -243,13 +245,14 @@ class Engine:
                              "max_model_len")
         return num
 
+    @property
+    def _several_ranks(self) -> bool:
+        return self.parallel is not None and self.parallel.world_size > 1
+
     def _attention_backend(self) -> str:
         backend = self.config.attention_backend
         target_cls = target_class(read_config(self.config.model))
         portable_only = not target_cls.supports_triton
-        if self.parallel and backend == "triton":
-            raise ValueError("attention_backend='triton' is not available with "
-                             "tensor_parallel_size > 1; use 'torch' or 'auto'")
         if self.tree is not None:
             tree_masks = getattr(target_cls, "triton_tree_masks", False)
             if backend == "triton" and not tree_masks:   # MLA's kernel has no tree masks
@@ -258,9 +261,9 @@ class Engine:
                                  "attention_backend='torch' there")
             if backend == "auto" and not tree_masks:
                 return "torch"
-        if backend == "auto":
+        if backend == "auto":       # (several ranks: the portable path unless asked)
             backend = "triton" if self.device.type == "cuda" and not portable_only \
-                and not self.parallel else "torch"
+                and not self._several_ranks else "torch"
         if backend == "triton" and self.device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
         if backend == "triton" and portable_only:

@@ -116,6 +116,14 @@ def test_grouped_experts_match_portable_path(dtype, tokens, num_experts, top_k, 
     # bfloat16: the portable path rounds gate, up and their product; the kernel does not
     tol = TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    # a residual joins in the same kernel, rounded as `residual + sum` is
+    residual = torch.randn(tokens, hidden, device=DEV).to(dtype)
+    with_res = grouped_experts(x, experts.gate_up_proj, experts.down_proj,
+                               sort_pairs(ids, weights, num_experts), residual)
+    if dtype == torch.float32 or DEV == "cuda":
+        assert torch.equal(with_res, residual + got)
+    else:     # the interpreter truncates to bfloat16 (no round to nearest): one unit apart
+        torch.testing.assert_close(with_res, residual + got, atol=1e-2, rtol=2 ** -7)
 
 
 @torch.inference_mode()

@@ -280,13 +280,15 @@ def _shard_mlp(mlp: MLP, tp: TensorParallel, reduce: bool = True):
 def _shard_moe(moe: nn.Module, tp: TensorParallel):
     """Every expert's share of the intermediate rows, shared experts' too; the router
     whole. The block's output (routed + shared partial sums) is all-reduced once, by a
-    forward hook, so the model's code is unchanged."""
+    forward hook, so the model's code is unchanged (the layer adds the residual after
+    it: takes_residual)."""
     experts = moe.experts
     _, hidden, inter = experts.down_proj.shape
     moe.experts = Experts(experts.num_experts, hidden, inter // tp.world_size, experts.ops)
     if getattr(moe, "shared_experts", None) is not None:
         _shard_mlp(moe.shared_experts, tp, reduce=False)
     moe.register_forward_hook(lambda _module, _args, out: tp.all_reduce(out))
+    moe.takes_residual = False     # the residual must not enter the partial sums
 
 
 def _slice(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:

@@ -92,6 +92,28 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _combine_kernel(Y, R, OUT, hidden, stride_yt, stride_rt, stride_ot, TOP_K: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[t] = (R[t] +) sum_j Y[t * TOP_K + j]: the pairs summed in float32 in choice
+    order and rounded to OUT's dtype, then the residual added (float32, rounded again),
+    as `residual + y.sum(1).to(dtype)` rounds."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * stride_yt + c, mask=ok, other=0.0)
+    out = acc.to(OUT.dtype.element_ty)
+    if HAS_RESIDUAL:
+        r = tl.load(R + t * stride_rt + c, mask=ok, other=0.0)
+        out = (r.to(tl.float32) + out.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * stride_ot + c, out, mask=ok)
+
+
+COMBINE_BLOCK = 1024
+
+
 @dataclass
 class Routing:
     """A step's routed pairs (pair p = token * k + j is the token's j-th choice), sorted
@@ -120,18 +142,21 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Ro
 def grouped_experts(x: torch.Tensor,            # [T, H]
                     gate_up: torch.Tensor,      # [E, 2I, H] (gate rows first)
                     down: torch.Tensor,         # [E, H, I]
-                    routing: Routing) -> torch.Tensor:     # [T, H] in x's dtype
-    """sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
-    down(silu(gate(x)) * up(x)); only the routed experts' weights are read."""
+                    routing: Routing,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], x's dtype
+    """(residual +) sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
+    down(silu(gate(x)) * up(x)); only the routed experts' weights are read. The sum and
+    the residual's add are one kernel (_combine_kernel)."""
     num_tokens, top_k = routing.ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, inter) or \
-            routing.offsets.shape[0] != num_experts + 1:
+            routing.offsets.shape[0] != num_experts + 1 or \
+            (residual is not None and residual.shape != x.shape):
         raise ValueError(f"grouped_experts: x {tuple(x.shape)}, gate_up "
                          f"{tuple(gate_up.shape)}, down {tuple(down.shape)} and ids "
                          f"{tuple(routing.ids.shape)} of {routing.offsets.shape[0] - 1} "
-                         "experts do not fit together")
+                         "experts (and the residual) do not fit together")
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     pairs = num_tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
@@ -148,4 +173,13 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages)
-    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    res = residual if residual is not None else out
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+        y, res, out, hidden, y.stride(0), res.stride(0), out.stride(0), TOP_K=top_k,
+        HAS_RESIDUAL=residual is not None, BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out

@@ -102,11 +102,13 @@ class TorchOps:
         self.norm(hidden_norm, hidden, out=a[:, h:])
         return a
 
-    def routed_experts(self, experts, x, logits: torch.Tensor, router, bias=None):
+    def routed_experts(self, experts, x, logits: torch.Tensor, router, bias=None,
+                       residual: torch.Tensor | None = None):
         """experts (models/moe.py Experts) applied to x [T, H] as `router` (models/moe.py
-        Router) routes the logits [T, E] -> [T, H]."""
+        Router) routes the logits [T, E] -> [T, H] (+ residual)."""
         weights, ids = router.route(logits, bias)
-        return experts.portable(x, ids, weights)
+        out = experts.portable(x, ids, weights)
+        return out if residual is None else residual + out
 
     def logits(self, layer: nn.Linear, x, norm: RMSNorm | None = None) -> torch.Tensor:
         """layer(norm(x)) in float32 [N, V]."""

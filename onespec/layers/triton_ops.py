@@ -129,9 +129,9 @@ class TritonOps(TorchOps):
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base)
 
-    def routed_experts(self, experts, x, logits, router, bias=None):
+    def routed_experts(self, experts, x, logits, router, bias=None, residual=None):
         if not self.rows(x):
-            return super().routed_experts(experts, x, logits, router, bias)
+            return super().routed_experts(experts, x, logits, router, bias, residual)
         groups = (router.num_groups, router.topk_groups) if router.sigmoid else (1, 1)
         if fused_route_fits(x.shape[0], experts.num_experts, router.top_k, *groups):
             routing = route_and_sort(logits, router.top_k, sigmoid=router.sigmoid, bias=bias,
@@ -141,7 +141,7 @@ class TritonOps(TorchOps):
                                      scaling=router.scaling)
         else:
             routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
-        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing)
+        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing, residual)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):

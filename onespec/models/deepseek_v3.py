@@ -247,7 +247,7 @@ class MLAttention(nn.Module):
                 residual: torch.Tensor | None = None):
         """x [T, H] (normed) -> (residual +) o_proj(attention) [T, H]; writes this step's
         latents."""
-        t, ops = x.shape[0], self.ops
+        t, ops = positions.shape[0], self.ops       # (x may be a Prenormed: no shape)
         if self.q_lora:
             q = ops.linear(self.q_b_proj,
                            ops.norm(self.q_a_layernorm, ops.linear(self.q_a_proj, x)))
@@ -358,11 +358,20 @@ class DeepseekMoE(nn.Module):
                                   cfg.moe_intermediate_size * cfg.n_shared_experts,
                                   ops=ops) if cfg.n_shared_experts else None
 
-    def forward(self, x):
-        """x [T, H] -> routed experts + shared experts [T, H]."""
+    takes_residual = True    # forward(x, residual, ...); off when split over ranks
+
+    def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
+        """x [T, H] -> routed experts + shared experts [T, H]. With a residual: (residual +
+        that, next_norm of it or None), the residual added where the routed experts' pairs
+        are summed (MLP.forward for next_norm and `last`)."""
         logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
-        out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias)
-        return out if self.shared_experts is None else self.shared_experts(x, out)[0]
+        out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias,
+                           residual)
+        if residual is None:
+            return out if self.shared_experts is None else self.shared_experts(x, out)[0]
+        if self.shared_experts is not None:
+            return self.shared_experts(x, out, next_norm, last)
+        return out, None if next_norm is None else self.ops.norm(next_norm, out)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -376,9 +385,23 @@ class DeepseekDecoderLayer(nn.Module):
         self.ops = ops
 
     def forward(self, h, positions, rotary, meta):
-        norm = self.ops.norm
-        h = self.self_attn(norm(self.input_layernorm, h), positions, rotary, meta, residual=h)
-        return h + self.mlp(norm(self.post_attention_layernorm, h))
+        """The residual stream h [T, H] after the layer (MTP layers run it so)."""
+        return self.step(h, None, positions, rotary, meta)[0]
+
+    def step(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
+             last: bool = False):
+        """h [T, H] the residual stream; x its input norm if the layer before left it (else
+        None: computed here). Returns (h after the layer, next_norm of it or None); see
+        MLP.forward for `last`."""
+        ops = self.ops
+        if x is None:
+            x = ops.norm(self.input_layernorm, h)
+        h = self.self_attn(x, positions, rotary, meta, residual=h)
+        x = ops.norm(self.post_attention_layernorm, h)
+        if getattr(self.mlp, "takes_residual", True):      # dense MLPs take it too
+            return self.mlp(x, h, next_norm, last)
+        h = h + self.mlp(x)
+        return h, None if next_norm is None else ops.norm(next_norm, h)
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):
@@ -390,6 +413,23 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
 
     def setup_rotary(self, max_positions: int, device):
         self.rotary = self.make_rotary(max_positions, device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                capture: tuple[int, ...] = ()):
+        """PagedCausalLM.forward, each layer leaving the next one's input norm (begun in
+        its last GEMV on the Triton backend) and adding its residual inside its kernels."""
+        h = self.model.embed_tokens(input_ids)
+        saved = {}
+        layers = self.model.layers
+        x = None
+        for i, layer in enumerate(layers):
+            last = i + 1 == len(layers)
+            nxt = self.model.norm if last else layers[i + 1].input_layernorm
+            h, x = layer.step(h, x, positions, self.rotary, meta, nxt, last)
+            if i in capture:
+                saved[i] = h
+        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
+        return x, captured
 
     def make_rotary(self, max_positions: int, device) -> MLARotary:
         c = self.config

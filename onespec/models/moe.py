@@ -92,10 +92,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.ops = ops
 
-    def forward(self, x, logits, router: Router, bias: torch.Tensor | None = None):
-        """x [T, H], router logits [T, E] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)
-        [T, H], (weights, ids) being router.route(logits, bias)."""
-        return self.ops.routed_experts(self, x, logits, router, bias)
+    def forward(self, x, logits, router: Router, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """x [T, H], router logits [T, E] -> (residual +) sum_j weights[:, j] *
+        expert_{ids[:, j]}(x) [T, H], (weights, ids) being router.route(logits, bias)."""
+        return self.ops.routed_experts(self, x, logits, router, bias, residual)
 
     def portable(self, x, ids, weights):
         """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x),

@@ -33,7 +33,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP
-from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router
+from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -398,10 +398,7 @@ class DeepseekDecoderLayer(nn.Module):
             x = ops.norm(self.input_layernorm, h)
         h = self.self_attn(x, positions, rotary, meta, residual=h)
         x = ops.norm(self.post_attention_layernorm, h)
-        if getattr(self.mlp, "takes_residual", True):      # dense MLPs take it too
-            return self.mlp(x, h, next_norm, last)
-        h = h + self.mlp(x)
-        return h, None if next_norm is None else ops.norm(next_norm, h)
+        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):
@@ -413,23 +410,6 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
 
     def setup_rotary(self, max_positions: int, device):
         self.rotary = self.make_rotary(max_positions, device)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata,
-                capture: tuple[int, ...] = ()):
-        """PagedCausalLM.forward, each layer leaving the next one's input norm (begun in
-        its last GEMV on the Triton backend) and adding its residual inside its kernels."""
-        h = self.model.embed_tokens(input_ids)
-        saved = {}
-        layers = self.model.layers
-        x = None
-        for i, layer in enumerate(layers):
-            last = i + 1 == len(layers)
-            nxt = self.model.norm if last else layers[i + 1].input_layernorm
-            h, x = layer.step(h, x, positions, self.rotary, meta, nxt, last)
-            if i in capture:
-                saved[i] = h
-        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
-        return x, captured
 
     def make_rotary(self, max_positions: int, device) -> MLARotary:
         c = self.config

@@ -131,6 +131,18 @@ class Float32Router(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
+def mlp_step(mlp: nn.Module, ops: TorchOps, x, h: torch.Tensor,
+             next_norm: RMSNorm | None, last: bool):
+    """A decoder layer's MLP (dense models/llama.py MLP, or an MoE block) on its input norm
+    x, with the residual stream h: (h + mlp(x), next_norm of it or None). The residual
+    goes into the block's last kernel unless the block is split over ranks
+    (takes_residual off: its partial sums are all-reduced after it)."""
+    if getattr(mlp, "takes_residual", True):
+        return mlp(x, h, next_norm, last)
+    h = h + mlp(x)
+    return h, None if next_norm is None else ops.norm(next_norm, h)
+
+
 class DecoderStack(nn.Module):
     """embed_tokens, layers, norm: the `model.` part of a Hugging Face causal LM."""
 
@@ -144,7 +156,8 @@ class DecoderStack(nn.Module):
 class PagedCausalLM(nn.Module):
     """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
     capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
-    over self.model (a DecoderStack of make_layer(i) layers) and self.lm_head. Subclasses
+    over self.model (a DecoderStack of make_layer(i) layers, each with a `step` as
+    models/llama.py's DecoderLayer.forward) and self.lm_head. Subclasses
     give the layers (built with the backend `ops`) and the rotary table (setup_rotary).
     Under the Triton backend the step is graph-capturable: attention and experts run
     kernels that read their metadata on the device, the rest is PyTorch without host
@@ -167,12 +180,16 @@ class PagedCausalLM(nn.Module):
                 capture: tuple[int, ...] = ()):
         h = self.model.embed_tokens(input_ids)
         saved = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, self.rotary, meta)
+        layers = self.model.layers
+        x = None      # the next layer's input norm, left by the layer before (layer.step)
+        for i, layer in enumerate(layers):
+            last = i + 1 == len(layers)
+            nxt = self.model.norm if last else layers[i + 1].input_layernorm
+            h, x = layer.step(h, x, positions, self.rotary, meta, nxt, last)
             if i in capture:
                 saved[i] = h
         captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
-        return self.model.norm(h), captured
+        return x, captured
 
     def compute_logits(self, hidden):
         return self.ops.logits(self.lm_head, hidden)                        # [N, V] float32

@@ -14,7 +14,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import Experts, PagedCausalLM, Router
+from onespec.models.moe import Experts, PagedCausalLM, Router, mlp_step
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -60,9 +60,15 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                ops)
 
-    def forward(self, x):
-        """x [T, H] -> [T, H]."""
-        return self.experts(x, F.linear(x, self.gate.weight), self.router)
+    takes_residual = True    # forward(x, residual, ...); off when split over ranks
+
+    def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
+        """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None),
+        the residual added where the experts' pairs are summed."""
+        out = self.experts(x, F.linear(x, self.gate.weight), self.router, None, residual)
+        if residual is None:
+            return out
+        return out, None if next_norm is None else self.experts.ops.norm(next_norm, out)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -73,11 +79,24 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
+        self.ops = ops
 
     def forward(self, h, positions, rotary, meta):
-        attn = self.self_attn
-        h = h + attn.o_proj(attn(self.input_layernorm(h), positions, rotary, meta))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """The residual stream h [T, H] after the layer."""
+        return self.step(h, None, positions, rotary, meta)[0]
+
+    def step(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
+             last: bool = False):
+        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
+        or None), x the input norm the layer before left (or None)."""
+        ops = self.ops
+        if x is None:
+            x = ops.norm(self.input_layernorm, h)
+        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
+        # a dense MLP's GEMVs take the norm begun; the router and experts need it whole
+        add_norm = ops.add_norm if isinstance(self.mlp, MLP) else ops.add_full_norm
+        h, x = add_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
+        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class Qwen3MoeForCausalLM(PagedCausalLM):

@@ -390,12 +390,10 @@ class DeepseekDecoderLayer(nn.Module):
 
     def step(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
              last: bool = False):
-        """h [T, H] the residual stream; x its input norm if the layer before left it (else
-        None: computed here). Returns (h after the layer, next_norm of it or None); see
-        MLP.forward for `last`."""
+        """As DecoderLayer.forward in models/llama.py (x: the input norm the layer before
+        left, or None), with MLA adding the residual in its o_proj GEMV."""
         ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
+        x = ops.norm(self.input_layernorm, h) if x is None else x
         h = self.self_attn(x, positions, rotary, meta, residual=h)
         x = ops.norm(self.post_attention_layernorm, h)
         return mlp_step(self.mlp, ops, x, h, next_norm, last)

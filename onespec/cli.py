@@ -98,6 +98,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    default=True, help="reuse the KV of prompt prefixes seen before")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the target over N GPUs (N CPU processes on the CPU)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: the Triton kernels on CUDA (one rank), else PyTorch")
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args):
@@ -181,7 +183,8 @@ def build_llm(args):
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                enable_prefix_caching=args.enable_prefix_caching,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size,
+               attention_backend=args.attention_backend)
 
 
 # ---- generate ------------------------------------------------------------------------------

@@ -48,6 +48,17 @@ def test_bad_model_dir_is_a_readable_error(tiny_models, tmp_path, damage):
     assert proc.stdout == ""
 
 
+def test_attention_backend_reaches_the_engine(tiny_models):
+    """--attention-backend is the engine's: triton on a CPU is its one-line error."""
+    path, _ = tiny_models["llama"]
+    proc = run_cli("generate", "--model", path, "--device", "cpu", "--prompt-ids", "1,2",
+                   "--attention-backend", "triton")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert re.search(r"onespec generate: error: attention_backend='triton' needs a CUDA "
+                     r"device", proc.stderr), proc.stderr
+    assert proc.stdout == ""
+
+
 def test_bad_prompt_is_a_readable_error(tiny_models):
     path, _ = tiny_models["llama"]
     proc = run_cli("generate", "--model", path, "--device", "cpu", "--prompt-ids", "1,999")

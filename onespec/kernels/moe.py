@@ -158,6 +158,9 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
                          f"{tuple(routing.ids.shape)} of {routing.offsets.shape[0] - 1} "
                          "experts (and the residual) do not fit together")
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
     pairs = num_tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -173,9 +176,6 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages)
-    out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
     res = residual if residual is not None else out
     if res.stride(-1) != 1:
         res = res.contiguous()

@@ -384,12 +384,8 @@ class DeepseekDecoderLayer(nn.Module):
             MLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
         self.ops = ops
 
-    def forward(self, h, positions, rotary, meta):
-        """The residual stream h [T, H] after the layer (MTP layers run it so)."""
-        return self.step(h, None, positions, rotary, meta)[0]
-
-    def step(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-             last: bool = False):
+    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
+                last: bool = False):
         """As DecoderLayer.forward in models/llama.py (x: the input norm the layer before
         left, or None), with MLA adding the residual in its o_proj GEMV."""
         ops = self.ops

@@ -217,6 +217,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def run_decoder(model: nn.Module, input_ids, positions, meta: AttentionMetadata,
+                capture: tuple[int, ...] = ()):
+    """model.model's embedding and layers (each called as DecoderLayer.forward: it leaves
+    the next layer's input norm) -> (final-normed hidden [T, H], the residual streams
+    after the `capture` layers [T, len·H] or None)."""
+    h = model.model.embed_tokens(input_ids)
+    saved = {}
+    layers = model.model.layers
+    x = None      # the next layer's input norm, left by the layer before
+    for i, layer in enumerate(layers):
+        last = i + 1 == len(layers)
+        nxt = model.model.norm if last else layers[i + 1].input_layernorm
+        h, x = layer(h, x, positions, model.rotary, meta, nxt, last)
+        if i in capture:
+            saved[i] = h
+    captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
+    return x, captured
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> (final-normed hidden [T, H],
     captured residual streams [T, len(capture)·H] or None)."""
@@ -242,18 +261,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 capture: tuple[int, ...] = ()):
-        h = self.model.embed_tokens(input_ids)
-        saved = {}
-        layers = self.model.layers
-        x = None      # the next layer's input norm, left by the layer before
-        for i, layer in enumerate(layers):
-            last = i + 1 == len(layers)
-            nxt = self.model.norm if last else layers[i + 1].input_layernorm
-            h, x = layer(h, x, positions, self.rotary, meta, nxt, last)
-            if i in capture:
-                saved[i] = h
-        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
-        return x, captured
+        return run_decoder(self, input_ids, positions, meta, capture)
 
     def checkpoint_rename(self, name: str) -> str | None:
         """Checkpoint key -> parameter name (None: skip it; a tied lm_head is the embedding)."""

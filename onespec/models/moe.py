@@ -27,6 +27,7 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
+from onespec.models.llama import run_decoder
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
 
@@ -156,7 +157,7 @@ class DecoderStack(nn.Module):
 class PagedCausalLM(nn.Module):
     """The decoder shell of the MoE targets: forward(input_ids [T], positions [T], meta,
     capture) -> (final-normed hidden [T, H], captured residual streams [T, len·H] or None),
-    over self.model (a DecoderStack of make_layer(i) layers, each with a `step` as
+    over self.model (a DecoderStack of make_layer(i) layers, each called as
     models/llama.py's DecoderLayer.forward) and self.lm_head. Subclasses
     give the layers (built with the backend `ops`) and the rotary table (setup_rotary).
     Under the Triton backend the step is graph-capturable: attention and experts run
@@ -178,18 +179,7 @@ class PagedCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 capture: tuple[int, ...] = ()):
-        h = self.model.embed_tokens(input_ids)
-        saved = {}
-        layers = self.model.layers
-        x = None      # the next layer's input norm, left by the layer before (layer.step)
-        for i, layer in enumerate(layers):
-            last = i + 1 == len(layers)
-            nxt = self.model.norm if last else layers[i + 1].input_layernorm
-            h, x = layer.step(h, x, positions, self.rotary, meta, nxt, last)
-            if i in capture:
-                saved[i] = h
-        captured = torch.cat([saved[i] for i in capture], dim=-1) if capture else None
-        return x, captured
+        return run_decoder(self, input_ids, positions, meta, capture)
 
     def compute_logits(self, hidden):
         return self.ops.logits(self.lm_head, hidden)                        # [N, V] float32

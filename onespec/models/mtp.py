@@ -54,7 +54,8 @@ class MTPLayer(nn.Module):
     def forward(self, embeds, hidden, positions, rotary, meta):
         """embeds [T, H] (token embeddings), hidden [T, H] -> shared_head.norm(block) [T, H]."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
-        return self.shared_head.norm(self.block(x, positions, rotary, meta))
+        h, _ = self.block(x, None, positions, rotary, meta)      # (DecoderLayer.forward)
+        return self.shared_head.norm(h)
 
 
 class MTPHead(nn.Module):

@@ -81,12 +81,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
         self.ops = ops
 
-    def forward(self, h, positions, rotary, meta):
-        """The residual stream h [T, H] after the layer."""
-        return self.step(h, None, positions, rotary, meta)[0]
-
-    def step(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-             last: bool = False):
+    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
+                last: bool = False):
         """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
         or None), x the input norm the layer before left (or None)."""
         ops = self.ops

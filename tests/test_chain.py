@@ -82,3 +82,20 @@ def test_chain_tree_inputs(depth, nodes):
     chain_tree_inputs(got, prev.to(DEV), offsets, b, depth, nodes)
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, inp)
+
+
+def test_chain_tree_inputs_without_sources_ignore_stale_results():
+    """A step with no chained row (a new batch, or a graph of another bucket run before it)
+    finds in the results buffer whatever the last step left, in that step's layout: counts
+    may be token ids. Nothing is read from there, and nothing fails (an out-of-range gather
+    index is a device-side assert on CUDA, fatal to the process)."""
+    b, depth, nodes, width, r = 4, 4, 10, 3, 11
+    o_tables = 2 * b * r + 2 * b * nodes
+    offsets = (0, b * r, 2 * b * r, o_tables, o_tables + b * width, o_tables + b * width + b)
+    g = torch.Generator().manual_seed(0)
+    inp = torch.randint(0, 1000, (offsets[-1],), generator=g)
+    inp[offsets[4]:] = -1
+    prev = torch.randint(100, 1000, (b * (depth + 2 + 2 * nodes),), generator=g)
+    got = inp.clone().to(DEV)
+    chain_tree_inputs(got, prev.to(DEV), offsets, b, depth, nodes)
+    assert torch.equal(got.cpu(), inp)

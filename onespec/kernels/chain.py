@@ -79,7 +79,9 @@ def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int,
     has = (src >= 0)[:, None]
     j = src.clamp(min=0)
     num = prev[rows:rows + b][j]                                           # [b]
-    last = prev[:rows].view(b, k + 1)[j].gather(1, (num - 1).clamp(min=0)[:, None])
+    # (a row without a source may read a count another bucket's step left there: clamped,
+    # so the gather stays in range; its value is dropped below)
+    last = prev[:rows].view(b, k + 1)[j].gather(1, (num - 1).clamp(0, k)[:, None])
     nodes = prev[rows + b:rows + b + b * n].view(b, n)[j]
     parents = prev[rows + b + b * n:rows + b + 2 * b * n].view(b, n)[j]
     ids = inp[o_ids:o_pos].view(b, r)

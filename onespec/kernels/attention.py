@@ -327,15 +327,18 @@ def _pack(rpr: int, group: int, limit: int) -> int:
 
 def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
                 split_programs: int) -> int:
-    """Splits of a launch: `splits` for decode-sized launches; for launches of more
-    uniform rows (0 < rpr <= MAX_SPLIT_ROWS) whose `units` programs would leave SMs idle,
-    the largest power of two <= splits keeping units x splits within split_programs; 1
-    otherwise (prefill chunks)."""
+    """Splits of a launch: for decode-sized launches and for launches of more uniform rows
+    (0 < rpr <= MAX_SPLIT_ROWS), the largest power of two <= splits keeping units x
+    splits within split_programs (at least 1 for decode-sized ones: a batch of 8 at 16k
+    keys runs 256 programs of 16 key tiles, not 1024 of 4 and their merges); for uniform
+    launches whose units already fill the GPU, and prefill chunks, 1. split_programs 0:
+    decode-sized launches take `splits`, others 1."""
+    fit = 1 << max(split_programs // max(units, 1), 1).bit_length() - 1
     if num_rows <= MAX_SPLIT_ROWS:
-        return splits
+        return min(splits, fit) if split_programs > 0 else splits
     if not 0 < rpr <= MAX_SPLIT_ROWS or units * 2 > split_programs:
         return 1
-    return min(splits, 1 << (split_programs // units).bit_length() - 1)
+    return min(splits, fit)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,

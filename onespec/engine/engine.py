@@ -156,17 +156,8 @@ class Engine:
                                   mcfg.sliding_window, graphs, self.grammars)
         auto = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
         if graphs is not None:       # auto may choose any K: every one is captured now
-            try:
-                for graph_k in (range(k + 1) if auto else [k]):
-                    graphs.capture(graph_k)
-            except RuntimeError as e:
-                if self.tree is None:
-                    raise
-                # tree steps in graphs are the newest graphed path: should one fail to
-                # capture on some GPU, the engine still serves trees, eagerly
-                logger.warning("capturing CUDA graphs of tree steps failed (%s); tree steps "
-                               "run without CUDA graphs", e)
-                self.runner.graphs = None
+            for graph_k in (range(k + 1) if auto else [k]):
+                graphs.capture(graph_k)
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
                                     sc.acceptance_length_threshold if sc else None)
         self.stats = SpecStats(k)

@@ -301,9 +301,14 @@ def test_embed_norm_concat_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,qk_norm", [(16, False), (16, True), (128, False)])
+@pytest.mark.parametrize("head_dim,qk_norm,tree", [(16, False, False), (16, True, False),
+                                                   (128, False, False), (16, False, True),
+                                                   (64, True, True)])
 @torch.inference_mode()
-def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
+def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm, tree):
+    """q rotated, k rotated and v written to their rows' cache slots; `tree`: rows rotate
+    at their own rotary positions (a dynamic tree's: prefix length + depth) while they are
+    cached at their block positions."""
     heads, kv_heads, t, slots = 4, 2, 5, 64
     torch.manual_seed(0)
     rotary = RotaryEmbedding(head_dim, 100, 10000.0, {"rope_type": "default"}, DEV)
@@ -320,14 +325,16 @@ def test_rope_and_cache_matches_torch(dtype, head_dim, qk_norm):
     q, k = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim)
     if qk_norm:
         q, k = q_norm(q), k_norm(k)
-    q_ref, k_ref = rotary(positions, q, k)
+    rot = torch.tensor([0, 7, 8, 8, 62], device=DEV) if tree else positions
+    q_ref, k_ref = rotary(rot, q, k)
     caches = [torch.randn(slots, kv_heads, head_dim, device=DEV).to(dtype) for _ in range(2)]
     kc_ref, vc_ref = caches[0].clone(), caches[1].clone()
     kc_ref[slot_mapping] = k_ref
     vc_ref[slot_mapping] = v.view(t, kv_heads, head_dim)
     norms = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else ()
     q_got = rope_and_cache(qkv, positions, rotary.cos_sin, tables, token_req, 8, caches[0],
-                           caches[1], heads, kv_heads, *norms)
+                           caches[1], heads, kv_heads, *norms,
+                           rotary_positions=rot if tree else None)
     tol = TOL[dtype]
     torch.testing.assert_close(q_got.float(), q_ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(caches[0].float(), kc_ref.float(), atol=tol, rtol=tol)
@@ -376,6 +383,38 @@ def test_qkv_rope_and_cache_equals_its_two_kernels(dtype, head_dim, rows, norm, 
         outs.append((q, *caches))
     for got, ref in zip(outs[1], outs[0]):
         assert_same_bits(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_qkv_rope_and_cache_rotates_tree_rows_at_their_depth(dtype):
+    """A dynamic tree's verify block through the fused qkv kernel: rows cached at their
+    block positions P + i, rotated at P + depth; the same q and cache as the qkv GEMV then
+    rope_and_cache with those rotary positions, and not what rotating at the cache
+    positions gives."""
+    heads, kv_heads, hidden, head_dim, slots = 4, 2, 96, 32, 128
+    lin, _ = linear_parts(hidden, (heads + 2 * kv_heads) * head_dim, False, True, dtype,
+                          seed=7)
+    rotary = RotaryEmbedding(head_dim, 200, 10000.0, {"rope_type": "default"}, DEV)
+    x = torch.randn(7, hidden, device=DEV).to(dtype)
+    positions = torch.arange(40, 47, device=DEV)                     # root + 6 nodes at P=40
+    depths = torch.tensor([0, 1, 1, 2, 2, 3, 1], device=DEV)
+    tables = torch.randperm(slots // 8, device=DEV).view(1, -1)
+    token_req = torch.zeros(7, dtype=torch.int64, device=DEV)
+    outs = []
+    for fused, rot in ((False, 40 + depths), (True, 40 + depths), (True, None)):
+        caches = [torch.randn(slots, kv_heads, head_dim, device=DEV,
+                              generator=torch.Generator(DEV).manual_seed(c)).to(dtype)
+                  for c in range(2)]
+        args = (positions, rotary.cos_sin, tables, token_req, 8, *caches, heads, kv_heads)
+        if fused:
+            q = qkv_rope_and_cache(x, lin.weight, lin.bias, *args, rotary_positions=rot)
+        else:
+            q = rope_and_cache(gemv(x, lin.weight, lin.bias), *args, rotary_positions=rot)
+        outs.append((q, *caches))
+    for got, ref in zip(outs[1], outs[0]):
+        assert_same_bits(got, ref)
+    assert not torch.equal(outs[2][0], outs[1][0])        # rotated at the cache positions
 
 
 def _attention_case(dtype, heads, kv_heads, head_dim, q_lens, starts, seed=0):

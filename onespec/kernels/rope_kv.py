@@ -22,8 +22,8 @@ from onespec.kernels.settings import MAX_ROWS
 
 @triton.jit
 def _rope_cache_kernel(
-        QKV, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_NORM_W, K_NORM_W, Q_OUT, K_CACHE,
-        V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt,
+        QKV, COS_SIN, POSITIONS, ROT_POS, BLOCK_TABLES, TOKEN_REQ, Q_NORM_W, K_NORM_W, Q_OUT,
+        K_CACHE, V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt,
         eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
@@ -45,9 +45,10 @@ def _rope_cache_kernel(
         dt = Q_OUT.dtype.element_ty
         x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    pos = tl.load(POSITIONS + row)
-    cos = tl.load(COS_SIN + pos * stride_cs + d)
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)
+    pos = tl.load(POSITIONS + row)              # the cache position
+    rot = tl.load(ROT_POS + row)                # the rotary one (a tree row's: its depth's)
+    cos = tl.load(COS_SIN + rot * stride_cs + d)
+    sin = tl.load(COS_SIN + rot * stride_cs + HALF + d)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     if is_q:
@@ -72,9 +73,12 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                    block_tables: torch.Tensor, token_req: torch.Tensor, block_size: int,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, q_norm_weight=None, k_norm_weight=None,
-                   eps: float = 1e-6, *, pdl: bool = False) -> torch.Tensor:
+                   eps: float = 1e-6, *, rotary_positions: torch.Tensor | None = None,
+                   pdl: bool = False) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache slot
-    of each row's position in its request's (token_req [T]) block table [B, nb]."""
+    of each row's position in its request's (token_req [T]) block table [B, nb].
+    rotary_positions [T]: rotate at these instead (a dynamic tree's rows: prefix length +
+    depth, while row i of the block is cached at prefix length + i)."""
     t = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -82,7 +86,8 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         return q
     qk_norm = q_norm_weight is not None
     _rope_cache_kernel[(t, num_heads + num_kv_heads)](
-        qkv, cos_sin, positions, block_tables, token_req,
+        qkv, cos_sin, positions,
+        positions if rotary_positions is None else rotary_positions, block_tables, token_req,
         q_norm_weight if qk_norm else cos_sin, k_norm_weight if qk_norm else cos_sin,
         q, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), eps,
@@ -93,8 +98,8 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 
 @triton.jit
 def _qkv_rope_kernel(
-        X, W, BIAS, SS_IN, COS_SIN, POSITIONS, BLOCK_TABLES, TOKEN_REQ, Q_OUT, K_CACHE,
-        V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
+        X, W, BIAS, SS_IN, COS_SIN, POSITIONS, ROT_POS, BLOCK_TABLES, TOKEN_REQ, Q_OUT,
+        K_CACHE, V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
         stride_qh, stride_ct, stride_ch, stride_bt, eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         PAIRS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -118,7 +123,8 @@ def _qkv_rope_kernel(
     req = tl.load(TOKEN_REQ + m, mask=m_ok, other=0)
     block = tl.load(BLOCK_TABLES + req * stride_bt + pos // BLOCK_SIZE, mask=m_ok, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-    cs = COS_SIN + pos[:, None] * stride_cs + j[None, :]
+    rot = tl.load(ROT_POS + m, mask=m_ok, other=0)       # rotary positions (see rope_and_cache)
+    cs = COS_SIN + rot[:, None] * stride_cs + j[None, :]
     cos = tl.load(cs, mask=m_ok[:, None], other=0.0)
     sin = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
     acc, _ = stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n >= 0, m, m_ok, K,
@@ -168,10 +174,12 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                        cos_sin: torch.Tensor, block_tables: torch.Tensor,
                        token_req: torch.Tensor, block_size: int, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, *,
+                       rotary_positions: torch.Tensor | None = None,
                        pdl: bool = False) -> torch.Tensor:
     """gemv(x, weight, bias) followed by rope_and_cache, as one kernel (see
     qkv_rope_fusable): rotated q [M, Hq, D] returned, k and v written to the cache. The
-    same arithmetic as the two kernels, so the same results."""
+    same arithmetic as the two kernels, so the same results. rotary_positions: as in
+    rope_and_cache."""
     pre = x if isinstance(x, Prenormed) else None
     x = rows_contiguous(pre.x if pre else x)
     m, k = x.shape
@@ -192,7 +200,7 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     grid = weight.shape[0] // (2 * pairs)
     _qkv_rope_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, ss_in, cos_sin, positions,
-        block_tables, token_req, q, k_cache, v_cache, m, k,
+        positions if rotary_positions is None else rotary_positions, block_tables, token_req, q, k_cache, v_cache, m, k,
         pre.ss.shape[1] if pre else 0,
         x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),

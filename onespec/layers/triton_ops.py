@@ -96,28 +96,27 @@ class TritonOps(TorchOps):
     def attention(self, attn, x, positions, rotary, meta: AttentionMetadata):
         if not self.rows(x):
             return super().attention(attn, x, positions, rotary, meta)
-        if meta.tree_mask is not None:
-            # tree rows rotate at their depth, not at their cache position (which the fused
-            # rotary kernels take for both): PyTorch rotary and cache write, Triton attention
-            return self.attention_from_qkv(attn, self.linear(attn.qkv_proj, x), positions,
-                                           rotary, meta)
+        # `positions` are the rows' rotary positions, meta's their cache positions: the same
+        # but for a dynamic tree's rows, which rotate at their depth
+        tree = dict(rotary_positions=positions) if meta.tree_mask is not None else {}
+        cache_positions = meta.positions if tree else positions
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
         if self.decode_sized(x) and rotary.fused_ok and \
                 qkv_rope_fusable(x, w, attn.head_dim, attn.qk_norm):
-            q = qkv_rope_and_cache(x, w, b, positions, rotary.cos_sin, meta.block_tables,
-                                   meta.token_req, meta.block_size, attn.k_cache,
-                                   attn.v_cache, attn.num_heads, attn.num_kv_heads,
-                                   pdl=self.pdl(self._x(x).device))
+            q = qkv_rope_and_cache(x, w, b, cache_positions, rotary.cos_sin,
+                                   meta.block_tables, meta.token_req, meta.block_size,
+                                   attn.k_cache, attn.v_cache, attn.num_heads,
+                                   attn.num_kv_heads, pdl=self.pdl(self._x(x).device), **tree)
             out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale)
             return out.reshape(-1, attn.q_size)
         qkv = self.linear(attn.qkv_proj, x)
         if not rotary.fused_ok:
             return self.attention_from_qkv(attn, qkv, positions, rotary, meta)
-        q = rope_and_cache(qkv, positions, rotary.cos_sin, meta.block_tables, meta.token_req,
-                           meta.block_size, attn.k_cache, attn.v_cache, attn.num_heads,
-                           attn.num_kv_heads,
+        q = rope_and_cache(qkv, cache_positions, rotary.cos_sin, meta.block_tables,
+                           meta.token_req, meta.block_size, attn.k_cache, attn.v_cache,
+                           attn.num_heads, attn.num_kv_heads,
                            *((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-                             if attn.qk_norm else ()), pdl=self.pdl(qkv.device))
+                             if attn.qk_norm else ()), pdl=self.pdl(qkv.device), **tree)
         out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale)
         return out.reshape(-1, attn.q_size)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from onespec import Eagle3Config
-from onespec.speculative.tree import (ancestor_matrix, compact_rows, depths_of,
+from onespec.engine.kv_cache import allocate_kv_cache
+from onespec.speculative.tree import (ancestor_matrix, compact_cache, compact_rows, depths_of,
                                       forced_tree_accept, select_tree, tree_accept)
 
 
@@ -155,6 +156,51 @@ def test_compact_rows_moves_accepted_path():
     x = torch.arange(11).float()[:, None]          # 1 context row, 2 requests of 5 rows
     out = compact_rows(x, 1, 5, torch.tensor([[0, 2, 4], [0, 1, 2]]))
     assert out[:, 0].tolist() == [0, 1, 3, 5, 4, 5, 6, 7, 8, 9, 10]
+
+
+class _Attn(torch.nn.Module):
+    """What allocate_kv_cache reads of an attention layer."""
+    def __init__(self, heads: int, dim: int, dtype=torch.float32):
+        super().__init__()
+        self.num_kv_heads, self.head_dim = heads, dim
+        self.o_proj = torch.nn.Linear(1, 1, dtype=dtype)
+
+
+@pytest.mark.parametrize("given", ["all", "some"])
+def test_compact_cache_moves_every_layer_of_a_pool_at_once(given):
+    """The target's layers share one cache tensor; moving the accepted paths' entries of all
+    of them is one index operation, and gives what moving each layer's keys and values
+    does. Layers of another pool (the drafter's), of another shape, and (given "some")
+    the pool's layers not passed keep their entries."""
+    torch.manual_seed(0)
+    target = [_Attn(2, 4) for _ in range(3)] + [_Attn(1, 8)]
+    draft = [_Attn(2, 4)]
+    for layers in (target, draft):
+        allocate_kv_cache(layers, 6, 4, "cpu")
+    pool = target[0].kv_pool
+    assert pool.shape == (2, 3, 24, 2, 4) and target[3].kv_pool is not pool
+    assert draft[0].kv_pool is not pool and target[1].k_cache.data_ptr() == pool[0, 1].data_ptr()
+    caches = [c for a in target + draft for c in (a.k_cache, a.v_cache)]
+    for c in caches:
+        c.copy_(torch.randn(c.shape))
+    before = [c.clone() for c in caches]
+    tables = torch.tensor([[3, 0, 5], [1, 2, 4]])
+    base = torch.tensor([2, 5])                                # P of each request
+    path = torch.tensor([[0, 2, 3, 6], [0, 1, 4, 3]])    # (a row past the path: itself)
+    moved = target if given == "all" else target[1:]
+    compact_cache(moved, tables, base, path, 4)
+
+    def slot(g, p):
+        return int(tables[g, p // 4]) * 4 + p % 4
+    for a, (k0, v0) in zip(target + draft, zip(before[::2], before[1::2])):
+        want_k, want_v = k0.clone(), v0.clone()
+        if a in moved:
+            for g in range(2):
+                for d in range(4):
+                    src, dst = slot(g, int(base[g] + path[g, d])), slot(g, int(base[g]) + d)
+                    want_k[dst], want_v[dst] = k0[src], v0[src]
+        assert torch.equal(a.k_cache, want_k) and torch.equal(a.v_cache, want_v)
+    assert not torch.equal(target[1].k_cache, before[2])
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -122,8 +122,12 @@ class Engine:
             drafter.head.setup_rotary(max_positions, self.device)
             attn_layers += drafter.attention_layers
         num_blocks = self._num_kv_blocks(attn_layers, k)
-        # one block past the pool is scratch space for the padding rows of CUDA graphs
-        allocate_kv_cache(attn_layers, num_blocks + 1, config.block_size, self.device)
+        # one block past the pool is scratch space for the padding rows of CUDA graphs;
+        # the target's layers apart from the drafter's (tree steps move the target's
+        # entries of every layer at once: their own tensor)
+        num_target = len(self.model.model.layers)
+        for layers in (attn_layers[:num_target], attn_layers[num_target:]):
+            allocate_kv_cache(layers, num_blocks + 1, config.block_size, self.device)
         self.pool = BlockPool(num_blocks, config.block_size,
                               self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,

@@ -97,13 +97,20 @@ def kv_bytes_per_block(attn_layers, block_size: int) -> int:
 
 
 def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
-    """Gives each attention layer (target and draft alike) its slice of one block pool, in
-    the layer's own dtype (a draft head may run in a lower precision than its target).
-    A layer with its own cache layout defines allocate_cache(num_slots, device)."""
+    """Gives each attention layer its slice of one block pool, in the layer's own dtype (a
+    draft head may run in a lower precision than its target). The layers of one call that
+    share a shape and dtype share one tensor [2, layers, slots, Hkv, D] (`kv_pool`; each
+    layer's k_cache and v_cache are views of its slices), so an operation on the cache
+    entries of every layer at once is one launch (tree.compact_cache). A layer with its
+    own cache layout defines allocate_cache(num_slots, device)."""
+    slots = num_blocks * block_size
+    groups: dict[tuple, list] = {}
     for a in attn_layers:
         if hasattr(a, "allocate_cache"):
-            a.allocate_cache(num_blocks * block_size, device)
-            continue
-        shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
-        a.k_cache = torch.zeros(shape, dtype=a.o_proj.weight.dtype, device=device)
-        a.v_cache = torch.zeros_like(a.k_cache)
+            a.allocate_cache(slots, device)
+        else:
+            groups.setdefault((a.num_kv_heads, a.head_dim, a.o_proj.weight.dtype), []).append(a)
+    for (heads, dim, dtype), layers in groups.items():
+        pool = torch.zeros(2, len(layers), slots, heads, dim, dtype=dtype, device=device)
+        for i, a in enumerate(layers):
+            a.k_cache, a.v_cache, a.kv_pool = pool[0, i], pool[1, i], pool

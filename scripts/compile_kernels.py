@@ -90,8 +90,8 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                {**linear, "BLOCK_N": bn, "BLOCK_K": bk, "PRE": pre, "GATED": bool(gated),
                 "RESIDUAL": not gated}, (warps, stages))
     qkv_cfg = gv.default_tiling(6144, 4096, False)
-    qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "BLOCK_TABLES": "*i64",
-                 "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
+    qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "ROT_POS": "*i64",
+                 "BLOCK_TABLES": "*i64", "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
     qkv = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
            "PRENORMED": True, "IEEE": False, "PDL": pdl, "ROWS": 16}
@@ -121,8 +121,8 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "Y": "*bf16", "eps_e": "fp32", "eps_h": "fp32"}, {"BLOCK": 4096, "PDL": pdl}, (8, 3))
     rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
                                  "V_CACHE")}
-    rope.update(COS_SIN="*fp32", POSITIONS="*i64", BLOCK_TABLES="*i64", TOKEN_REQ="*i64",
-                eps="fp32")
+    rope.update(COS_SIN="*fp32", POSITIONS="*i64", ROT_POS="*i64", BLOCK_TABLES="*i64",
+                TOKEN_REQ="*i64", eps="fp32")
     yield ("rope_and_cache qk-norm", rk._rope_cache_kernel, rope,
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
             "QK_NORM": True, "PDL": pdl},
@@ -179,14 +179,11 @@ def moe_cases():
               "BLOCK_SIZE": 16, "BLOCK_N": block_n, "IEEE": False}
     types = {"Q": "*bf16", "CACHE": "*bf16", "OUT": "*bf16", "BLOCK_TABLES": "*i64",
              "TOKEN_REQ": "*i64", "POSITIONS": "*i64", "PART_O": "*fp32", "PART_ML": "*fp32",
-             "scale": "fp32"}
+             "TICKETS": "*i32", "scale": "fp32"}
     yield ("mla bf16 decode (split keys)", mla._mla_kernel, types,
            {**latent, "SPLITS": mla.SPLITS}, (warps, stages))
     yield ("mla bf16 verify / prefill (no split)", mla._mla_kernel, types,
            {**latent, "SPLITS": 1}, (warps, stages))
-    yield ("mla split merge", mla._merge_kernel, types,
-           {k: latent[k] for k in ("RANK", "R_PAD", "BLOCK_H", "BLOCK_N")} |
-           {"SPLITS": mla.SPLITS}, (4, 1))
     yield ("mla rotary + latent write + absorbed query", mla._mla_rope_cache_kernel,
            {"Q": "*bf16", "Q_LAT": "*bf16", "CKV": "*bf16", "NORM_W": "*bf16",
             "COS_SIN": "*fp32", "POSITIONS": "*i64", "SLOTS": "*i64", "CACHE": "*bf16",

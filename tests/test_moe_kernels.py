@@ -176,6 +176,7 @@ def latent_reference(q, cache, tables, req, positions, rank, scale, block_size):
 @pytest.mark.parametrize("heads,rank,rope,lens", [
     (4, 32, 16, [5]),                        # a decode row: split keys, one tile
     (20, 64, 16, [70, 1, 33]),               # two head groups, many tiles across splits
+    (4, 32, 16, [600, 40]),                  # more tiles than splits: a split takes several
     (4, 24, 8, [9] * (SPLIT_ROWS + 3)),      # unsplit launch; widths not powers of two
 ])
 @torch.inference_mode()
@@ -191,6 +192,9 @@ def test_mla_kernel_matches_reference(dtype, heads, rank, rope, lens):
     got = mla_attention(q, cache, tables, req, positions, rank, 0.15, block_size)
     ref = latent_reference(q, cache, tables, req, positions, rank, 0.15, block_size)
     torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    # the last split of each row merged and left its ticket at zero for the next launch
+    from onespec.kernels.attention import _tickets
+    assert batch > SPLIT_ROWS or not _tickets[q.device].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

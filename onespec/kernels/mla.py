@@ -9,10 +9,12 @@ through the request's block table with an online softmax, and returns the heads'
 attention-weighted latents [BLOCK_H, RANK] (the caller multiplies by W_UV).
 
 Decode-sized launches (at most SPLIT_ROWS rows) split each row's key tiles over SPLITS
-programs (tile t goes to split t % SPLITS) and a second kernel merges the partial softmax
-states in split order; a split without a tile leaves at once and the merge skips it. All
-metadata is read on the device and the grid depends only on the row count, so a step can
-be captured in a CUDA graph. A row's result depends only on its own keys.
+programs (tile t goes to split t % SPLITS); a split without a tile leaves at once, a row
+whose keys fit one tile stores split 0's result as it is, and otherwise the last split of
+the row and head group to finish (an atomic ticket, as in kernels/attention.py) merges
+the stored partial softmax states in split order: no second kernel. All metadata is read
+on the device and the grid depends only on the row count, so a step can be captured in a
+CUDA graph. A row's result depends only on its own keys.
 
 Before it, one program per row (mla_rope_and_cache) does the work around the cache that
 would otherwise be some fifteen small PyTorch launches a layer: RMSNorm of the row's
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.kernels.attention import _merge_one
+from onespec.kernels.attention import _merge_one, _ticket_counters
 from onespec.kernels.launch import INTERPRETED, dot_t
 from onespec.kernels.rows import _rms_row
 
@@ -40,7 +42,7 @@ TILING = (32, 8, 2)
 
 
 @triton.jit
-def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML,
+def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
                 stride_qt, stride_qh, stride_c, stride_bt, stride_ot, stride_oh,
                 num_heads, scale,
                 RANK: tl.constexpr, ROPE: tl.constexpr, R_PAD: tl.constexpr,
@@ -87,43 +89,55 @@ def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_
             pv = tl.dot(prob.to(k_r.dtype), k_r)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    out = OUT + row.to(tl.int64) * stride_ot + h[:, None] * stride_oh + r[None, :]
+    out_mask = h_ok[:, None] & r_ok[None, :]
     if SPLITS == 1:
-        out = OUT + row.to(tl.int64) * stride_ot + h[:, None] * stride_oh + r[None, :]
-        tl.store(out, (acc / l[:, None]).to(OUT.dtype.element_ty),
-                 mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(out, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
     else:
-        unit = ((row * tl.num_programs(1) + head_group) * SPLITS + split).to(tl.int64)
-        tl.store(PART_O + (unit * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]) * R_PAD
-                 + r[None, :], acc)
-        tl.store(PART_ML + unit * 2 * BLOCK_H + tl.arange(0, BLOCK_H), m)
-        tl.store(PART_ML + (unit * 2 + 1) * BLOCK_H + tl.arange(0, BLOCK_H), l)
+        _store_or_merge(acc, m, l, out, out_mask, PART_O, PART_ML, TICKETS,
+                        (row * tl.num_programs(1) + head_group).to(tl.int64), split,
+                        num_tiles, R_PAD, BLOCK_H, SPLITS)
 
 
 @triton.jit
-def _merge_kernel(POSITIONS, OUT, PART_O, PART_ML, stride_ot, stride_oh, num_heads,
-                  RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    """The splits' partial states of one row and head group, merged in split order."""
-    row = tl.program_id(0)
-    head_group = tl.program_id(1)
-    num_tiles = tl.load(POSITIONS + row) // BLOCK_N + 1
+def _store_or_merge(acc, m, l, out, out_mask, PART_O, PART_ML, TICKETS, group, split,
+                    num_tiles, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    """A split's end: with one tile (split 0 alone) its result as it is; otherwise store
+    its partial state, and the last of the group's splits to arrive merges them all in
+    split order (the same arithmetic whichever program comes last)."""
+    if num_tiles == 1:
+        tl.store(out, (acc / l[:, None]).to(out.dtype.element_ty), mask=out_mask)
+        return
     g = tl.arange(0, BLOCK_H)
     r = tl.arange(0, R_PAD)
-    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_all = tl.zeros([BLOCK_H], tl.float32)
-    o_all = tl.zeros([BLOCK_H, R_PAD], tl.float32)
-    base = (row * tl.num_programs(1) + head_group).to(tl.int64) * SPLITS
-    for s in tl.static_range(SPLITS):
-        if s < num_tiles:
-            unit = base + s
-            m_s = tl.load(PART_ML + unit * 2 * BLOCK_H + g)
-            l_s = tl.load(PART_ML + (unit * 2 + 1) * BLOCK_H + g)
-            o_s = tl.load(PART_O + (unit * BLOCK_H + g[:, None]) * R_PAD + r[None, :])
-            m_all, l_all, o_all = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
-    h = head_group * BLOCK_H + g
-    out = OUT + row.to(tl.int64) * stride_ot + h[:, None] * stride_oh + r[None, :]
-    tl.store(out, (o_all / l_all[:, None]).to(OUT.dtype.element_ty),
-             mask=(h < num_heads)[:, None] & (r < RANK)[None, :])
+    unit = group * SPLITS + split
+    tl.store(PART_O + (unit * BLOCK_H + g[:, None]) * R_PAD + r[None, :], acc)
+    tl.store(PART_ML + unit * 2 * BLOCK_H + g, m)
+    tl.store(PART_ML + (unit * 2 + 1) * BLOCK_H + g, l)
+    # release: the partials above are visible to whoever draws the last ticket (acquire)
+    ticket = tl.atomic_add(TICKETS + group, 1, sem="acq_rel")
+    if ticket == tl.minimum(num_tiles, SPLITS) - 1:
+        tl.store(TICKETS + group, 0)                        # ready for the next launch
+        rows = tl.full([BLOCK_H], 1, tl.int1)
+        tile = tl.full([BLOCK_H, R_PAD], 1, tl.int1)
+        m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_all = tl.zeros([BLOCK_H], tl.float32)
+        o_all = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+        for s in tl.static_range(SPLITS):       # predicated loads: all in flight at once
+            has = s < num_tiles
+            slot = group * SPLITS + s
+            m_s = tl.load(PART_ML + slot * 2 * BLOCK_H + g, mask=tl.where(has, rows, False),
+                          other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(PART_ML + (slot * 2 + 1) * BLOCK_H + g,
+                          mask=tl.where(has, rows, False), other=0.0, cache_modifier=".cg")
+            o_s = tl.load(PART_O + (slot * BLOCK_H + g[:, None]) * R_PAD + r[None, :],
+                          mask=tl.where(has, tile, False), other=0.0, cache_modifier=".cg")
+            m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+            m_all = tl.where(has, m_new, m_all)
+            l_all = tl.where(has, l_new, l_all)
+            o_all = tl.where(has, o_new, o_all)
+        tl.store(out, (o_all / l_all[:, None]).to(out.dtype.element_ty), mask=out_mask)
 
 
 def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorbed queries
@@ -149,18 +163,14 @@ def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorb
     units = rows * groups * splits if splits > 1 else 1
     part_o = torch.empty(units * BLOCK_H * r_pad, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(units * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
+    tickets = _ticket_counters(q.device, rows * groups) if splits > 1 else part_ml
     ieee = q.dtype == torch.float32 or INTERPRETED
     _mla_kernel[(rows, groups, splits)](
-        q, cache, block_tables, token_req, positions, out, part_o, part_ml,
+        q, cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0),
         out.stride(1), heads, scale, RANK=rank, ROPE=width - rank, R_PAD=r_pad,
         P_PAD=triton.next_power_of_2(width - rank), BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        _merge_kernel[(rows, groups)](
-            positions, out, part_o, part_ml, out.stride(0), out.stride(1), heads,
-            RANK=rank, R_PAD=r_pad, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLITS=splits,
-            num_warps=4)
     return out
 
 

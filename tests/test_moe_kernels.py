@@ -243,6 +243,9 @@ def backend_forwards(path, backend: str, chunks, tables, ids):
     from onespec.engine.kv_cache import allocate_kv_cache
     from onespec.models.registry import load_target
     model = load_target(str(path), DEV, torch.float32, ops=ops_for(backend))
+    for layer in model.model.layers:
+        assert (getattr(layer.self_attn, "_fused_a", None) is not None) == \
+            (backend == "triton" and hasattr(layer.self_attn, "fuse_projections"))
     model.setup_rotary(128, DEV)
     allocate_kv_cache([layer.self_attn for layer in model.model.layers], 9, 8, DEV)
     outs = []
@@ -254,16 +257,18 @@ def backend_forwards(path, backend: str, chunks, tables, ids):
     return outs
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-no-qlora", "qwen3-moe"])
 @torch.inference_mode()
 def test_moe_target_on_triton_matches_portable_path(tmp_path, family):
     """Whole forwards with the Triton backend (fused MLA rotary + latent write and absorbed
     MLA over the paged latents, or the Triton paged attention; fused routing, grouped
     experts, GEMV dense and shared experts) equal the portable path: a 34-row prefill chunk
     (cuBLAS linears, unsplit MLA), a 4-row verify and one decode row (GEMVs, split MLA),
-    each over the cache the chunks before wrote."""
-    if family == "deepseek-v3":
-        make_deepseek_model(tmp_path, num_layers=2)          # a dense layer, then MoE
+    each over the cache the chunks before wrote. The Triton backend's MLA takes x's two
+    projections (q or q_a, and kv_a) as one fused linear."""
+    if family.startswith("deepseek-v3"):             # a dense layer, then MoE
+        no_lora = dict(q_lora_rank=None) if family.endswith("no-qlora") else {}
+        make_deepseek_model(tmp_path, num_layers=2, **no_lora)
     else:
         make_qwen3_moe_model(tmp_path, num_hidden_layers=2, mlp_only_layers=[1])
     torch.manual_seed(0)

@@ -229,6 +229,25 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
         self.latent_cache = None     # [num_slots, r + p], set by the KV pool
+        self._fused_a = None         # [q or q_a; kv_a] as one linear (fuse_projections)
+
+    def fuse_projections(self):
+        """On the Triton backend, once the weights are in place: the two projections of x
+        (q or q_a, and kv_a) become one linear whose weight holds both (the modules' own
+        weights become views of it, no copy kept), so a decode step streams them in one
+        GEMV launch instead of two. Kept out of the module tree (not a submodule)."""
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        kv_a = self.kv_a_proj_with_mqa
+        settings = getattr(self.ops, "settings", None)
+        if settings is None or not settings.triton or first.bias is not None or \
+                kv_a.bias is not None or first.weight.dtype != kv_a.weight.dtype:
+            return
+        weight = torch.cat([first.weight.data, kv_a.weight.data])
+        n = first.weight.shape[0]
+        first.weight.data, kv_a.weight.data = weight[:n], weight[n:]
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        object.__setattr__(self, "_fused_a", fused)
 
     # the KV pool's hooks (engine/kv_cache.py)
     def cache_bytes_per_token(self) -> int:
@@ -248,13 +267,16 @@ class MLAttention(nn.Module):
         """x [T, H] (normed) -> (residual +) o_proj(attention) [T, H]; writes this step's
         latents."""
         t, ops = positions.shape[0], self.ops       # (x may be a Prenormed: no shape)
-        if self.q_lora:
-            q = ops.linear(self.q_b_proj,
-                           ops.norm(self.q_a_layernorm, ops.linear(self.q_a_proj, x)))
+        if self._fused_a is not None:
+            both = ops.linear(self._fused_a, x)
+            width = self.kv_lora_rank + self.rope_dim
+            first, ckv = both.split([both.shape[1] - width, width], -1)   # [T, *], [T, r + p]
         else:
-            q = ops.linear(self.q_proj, x)
+            first = ops.linear(self.q_a_proj if self.q_lora else self.q_proj, x)
+            ckv = ops.linear(self.kv_a_proj_with_mqa, x)                   # [T, r + p]
+        q = ops.linear(self.q_b_proj, ops.norm(self.q_a_layernorm, first)) if self.q_lora \
+            else first
         q = q.view(t, self.num_heads, -1)
-        ckv = ops.linear(self.kv_a_proj_with_mqa, x)                       # [T, r + p]
         if meta.kv_slots is None:          # metadata built for the Triton kernels
             out = self.attend_paged(q, ckv, positions, rotary, meta)
         else:

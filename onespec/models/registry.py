@@ -72,13 +72,24 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
-        return model.to(dtype=dtype).eval()
+        return _fused(model.to(dtype=dtype).eval(), parallel)
     weights = iter_weights(path)
     if parallel is not None:        # each tensor sliced to this rank's part as it streams
         weights = shard_weights(weights, cfg, parallel)
     load_weights(model, weights, rename=model.checkpoint_rename,
                  what=f"checkpoint {path!r}")
-    return model.to(device=device, dtype=dtype).eval()
+    return _fused(model.to(device=device, dtype=dtype).eval(), parallel)
+
+
+def _fused(model, parallel):
+    """Lets layers that can fuse projections sharing an input (fuse_projections: MLA's q
+    and kv_a) do so once their weights are final; on one rank only (sharded projections
+    keep their own layout)."""
+    if parallel is None:
+        for module in model.modules():
+            if hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+    return model
 
 
 def load_tokenizer(path: str):

@@ -370,6 +370,7 @@ class DeepseekRouter(Float32Router):
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         self.router = Router(cfg.num_experts_per_tok, sigmoid=True,
                              norm_topk_prob=cfg.norm_topk_prob, num_groups=cfg.n_group,
                              topk_groups=cfg.topk_group, scaling=cfg.routed_scaling_factor)
@@ -386,7 +387,7 @@ class DeepseekMoE(nn.Module):
         """x [T, H] -> routed experts + shared experts [T, H]. With a residual: (residual +
         that, next_norm of it or None), the residual added where the routed experts' pairs
         are summed (MLP.forward for next_norm and `last`)."""
-        logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
+        logits = self.ops.router_logits(self.gate.weight, x)                    # [T, E]
         out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias,
                            residual)
         if residual is None:

@@ -13,15 +13,18 @@ class HeadReference:
     one more row that sees step 0's keys and its own path's keys only."""
 
     def __init__(self, hf, head, capture, tokens: list[int]):
+        """hf: the transformers target, on the head's device."""
         self.head, self.n = head, len(tokens)
+        self.device = dev = next(head.parameters()).device
         self.layer = head.layers[0]
         self.embed = hf.model.embed_tokens
         with torch.no_grad():
-            hs = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+            hs = hf(torch.tensor([tokens[:-1]], device=dev),
+                    output_hidden_states=True).hidden_states
             feats = torch.cat([hs[i + 1][0] for i in capture], -1)         # [n-1, 3H]
-            positions = torch.arange(self.n - 1)
+            positions = torch.arange(self.n - 1, device=dev)
             self.keys, self.values = [], []
-            out = self._run(torch.tensor(tokens[1:]), head.fc(feats), positions,
+            out = self._run(torch.tensor(tokens[1:], device=dev), head.fc(feats), positions,
                             self.keys, self.values)
         self.root = out[-1:]                                               # [1, H]
 
@@ -39,7 +42,8 @@ class HeadReference:
         kk = torch.cat(keys).repeat_interleave(rep, 1)
         vv = torch.cat(values).repeat_interleave(rep, 1)
         first = kk.shape[0] - len(ids)              # the new rows are the last keys
-        mask = torch.arange(kk.shape[0])[None, :] <= first + torch.arange(len(ids))[:, None]
+        rows = torch.arange(len(ids), device=ids.device)
+        mask = torch.arange(kk.shape[0], device=ids.device)[None, :] <= first + rows[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1),
                                              vv.transpose(0, 1), attn_mask=mask)
         h = hidden + attn.o_proj(out.transpose(0, 1).reshape(len(ids), -1))
@@ -50,11 +54,12 @@ class HeadReference:
         """Draft-vocabulary logits [Vd] after the draft tokens `path` (target ids)."""
         keys, values, h = list(self.keys), list(self.values), self.root
         for j, token in enumerate(path):
-            h = self._run(torch.tensor([token]), h, torch.tensor([self.n - 1 + j]), keys, values)
+            h = self._run(torch.tensor([token], device=self.device), h,
+                          torch.tensor([self.n - 1 + j], device=self.device), keys, values)
         return self.head.compute_logits(h)[0]
 
     def target_id(self, draft_id) -> int:
-        return int(self.head.to_target_ids(torch.as_tensor(draft_id)))
+        return int(self.head.to_target_ids(torch.as_tensor(draft_id, device=self.device)))
 
     def chain(self, k: int) -> tuple[list[int], list[float]]:
         """k greedy drafts, and each step's top-2 logit margin (near-ties are float noise)."""

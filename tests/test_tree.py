@@ -3,6 +3,7 @@ chunked prefill, preemption, several targets), a top-1 tree equal to a chain ste
 drafts equal to a from-scratch EAGLE-2 expansion, forced path lengths, metrics."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -75,10 +76,15 @@ def plant_tree(rng: random.Random, truth: list[int], n: int, depth: int, vocab: 
     return tokens, parents, len(path) - 1
 
 
+CUDA_TRITON = pytest.param(
+    {"device": "cuda", "attention_backend": "triton", "cuda_graphs": False}, id="triton-cuda",
+    marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_tokens": 12},
                                        {"num_kv_blocks": 24, "block_size": 4,
-                                        "max_model_len": 64}],
-                         ids=["batch", "chunked", "preempt"])
+                                        "max_model_len": 64}, CUDA_TRITON],
+                         ids=["batch", "chunked", "preempt", "triton-cuda"])
 def test_planted_trees_accept_their_paths(pair, engine_kw):
     """Each step verifies a planted tree whose matching path (of random length, at random
     rows) is known: exactly that path is accepted, the output equals plain decoding (so the
@@ -86,8 +92,11 @@ def test_planted_trees_accept_their_paths(pair, engine_kw):
     moved hidden rows equals the from-scratch expansion."""
     target, hf, head, plain = pair
     depth, top_k, nodes = 4, 2, 10
-    llm = tree_llm(target, head, depth, top_k, nodes, device="cpu", **engine_kw)
+    # (on CUDA: the Triton kernels, tree rows rotated at their depth inside the fused
+    # rotary + cache kernels; eager steps, so the planted trees are the ones verified)
+    llm = tree_llm(target, head, depth, top_k, nodes, **{"device": "cpu", **engine_kw})
     eng = llm.engine
+    ref_hf = hf if eng.device.type == "cpu" else copy.deepcopy(hf).to(eng.device)
     rng = random.Random(0)
     reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
     lengths, checked = set(), 0
@@ -104,8 +113,8 @@ def test_planted_trees_accept_their_paths(pair, engine_kw):
                 assert len(r.output_token_ids) - before == n + 1
                 lengths.add(n)
                 if checked < 12:
-                    ref = HeadReference(hf, eng.drafter.head, eng.drafter.capture_layers,
-                                        r.token_ids)
+                    ref = HeadReference(ref_hf, eng.drafter.head,
+                                        eng.drafter.capture_layers, r.token_ids)
                     want, margin = ref.tree(depth, top_k, nodes)
                     if margin > 1e-3:
                         assert node_paths(r.draft_tokens, r.draft_parents) == want

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,20 +29,14 @@ from types import SimpleNamespace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from onespec import SamplingParams
-from onespec.bench_cli import build_llm, set_draft
-from onespec.bench_models import write_model_dirs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import mean_ms  # noqa: E402
+
+from onespec import SamplingParams  # noqa: E402
+from onespec.bench_cli import build_llm, set_draft  # noqa: E402
+from onespec.bench_models import write_model_dirs  # noqa: E402
 
 MARK = "spin_kernel"
-
-
-def mean_ms(fn, n: int = 100) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t) / n
 
 
 def install_markers(worker, labels: list[str]):

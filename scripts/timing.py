@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
+
+
+def mean_ms(fn, n: int = 100) -> float:
+    """Mean wall time of n back-to-back calls of fn, in ms (the GPU synchronised around)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / n
 
 
 def jsonl_emitter(path: str | None):

@@ -6,8 +6,9 @@ request's block table, and keeps an online softmax. Prefill chunks, K+1 verify r
 single-token draft rows are all just rows with a request index and a position, so one
 kernel serves all three, and its metadata is built on the device (CUDA-graph safe).
 
-Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over SPLITS
-programs (flash-decoding): split s takes key tiles s, s + SPLITS, ..., stores its partial
+Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over up to SPLITS
+programs, as many as keep the launch within split_programs (flash-decoding; batch 8 of the
+8B shape: 4): split s takes key tiles s, s + SPLITS, ..., stores its partial
 softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
 the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8;
 with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all

@@ -96,7 +96,8 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
                 "RESIDUAL": not gated}, (warps, stages))
     qkv_cfg = gv.default_tiling(6144, 4096, False)
     qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "ROT_POS": "*i64",
-                 "BLOCK_TABLES": "*i64", "TOKEN_REQ": "*i64", "Q_OUT": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
+                 "BLOCK_TABLES": "*i64", "TOKEN_REQ": "*i64", "Q_OUT": "*bf16",
+                 "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
     qkv = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
            "PRENORMED": True, "IEEE": False, "PDL": pdl, "ROWS": 16}

@@ -23,8 +23,8 @@ from onespec.kernels.settings import MAX_ROWS
 @triton.jit
 def _rope_cache_kernel(
         QKV, COS_SIN, POSITIONS, ROT_POS, BLOCK_TABLES, TOKEN_REQ, Q_NORM_W, K_NORM_W, Q_OUT,
-        K_CACHE, V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch, stride_bt,
-        eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        K_CACHE, V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch,
+        stride_bt, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0)
@@ -200,7 +200,8 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
     grid = weight.shape[0] // (2 * pairs)
     _qkv_rope_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, ss_in, cos_sin, positions,
-        positions if rotary_positions is None else rotary_positions, block_tables, token_req, q, k_cache, v_cache, m, k,
+        positions if rotary_positions is None else rotary_positions, block_tables, token_req,
+        q, k_cache, v_cache, m, k,
         pre.ss.shape[1] if pre else 0,
         x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),

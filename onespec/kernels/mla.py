@@ -11,8 +11,8 @@ attention-weighted latents [BLOCK_H, RANK] (the caller multiplies by W_UV).
 Decode-sized launches (at most SPLIT_ROWS rows) split each row's key tiles over SPLITS
 programs (tile t goes to split t % SPLITS); a split without a tile leaves at once, a row
 whose keys fit one tile stores split 0's result as it is, and otherwise the last split of
-the row and head group to finish (an atomic ticket, as in kernels/attention.py) merges
-the stored partial softmax states in split order: no second kernel. All metadata is read
+the row and head group to finish merges the stored partial softmax states in split order
+(kernels/attention.py's _merge_splits, atomic ticket and all): no second kernel. All metadata is read
 on the device and the grid depends only on the row count, so a step can be captured in a
 CUDA graph. A row's result depends only on its own keys.
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.kernels.attention import _merge_one, _ticket_counters
+from onespec.kernels.attention import _merge_splits, _ticket_counters
 from onespec.kernels.launch import INTERPRETED, dot_t
 from onespec.kernels.rows import _rms_row
 
@@ -93,51 +93,11 @@ def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_
     out_mask = h_ok[:, None] & r_ok[None, :]
     if SPLITS == 1:
         tl.store(out, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
-    else:
-        _store_or_merge(acc, m, l, out, out_mask, PART_O, PART_ML, TICKETS,
-                        (row * tl.num_programs(1) + head_group).to(tl.int64), split,
-                        num_tiles, R_PAD, BLOCK_H, SPLITS)
-
-
-@triton.jit
-def _store_or_merge(acc, m, l, out, out_mask, PART_O, PART_ML, TICKETS, group, split,
-                    num_tiles, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    SPLITS: tl.constexpr):
-    """A split's end: with one tile (split 0 alone) its result as it is; otherwise store
-    its partial state, and the last of the group's splits to arrive merges them all in
-    split order (the same arithmetic whichever program comes last)."""
-    if num_tiles == 1:
-        tl.store(out, (acc / l[:, None]).to(out.dtype.element_ty), mask=out_mask)
-        return
-    g = tl.arange(0, BLOCK_H)
-    r = tl.arange(0, R_PAD)
-    unit = group * SPLITS + split
-    tl.store(PART_O + (unit * BLOCK_H + g[:, None]) * R_PAD + r[None, :], acc)
-    tl.store(PART_ML + unit * 2 * BLOCK_H + g, m)
-    tl.store(PART_ML + (unit * 2 + 1) * BLOCK_H + g, l)
-    # release: the partials above are visible to whoever draws the last ticket (acquire)
-    ticket = tl.atomic_add(TICKETS + group, 1, sem="acq_rel")
-    if ticket == tl.minimum(num_tiles, SPLITS) - 1:
-        tl.store(TICKETS + group, 0)                        # ready for the next launch
-        rows = tl.full([BLOCK_H], 1, tl.int1)
-        tile = tl.full([BLOCK_H, R_PAD], 1, tl.int1)
-        m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_all = tl.zeros([BLOCK_H], tl.float32)
-        o_all = tl.zeros([BLOCK_H, R_PAD], tl.float32)
-        for s in tl.static_range(SPLITS):       # predicated loads: all in flight at once
-            has = s < num_tiles
-            slot = group * SPLITS + s
-            m_s = tl.load(PART_ML + slot * 2 * BLOCK_H + g, mask=tl.where(has, rows, False),
-                          other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(PART_ML + (slot * 2 + 1) * BLOCK_H + g,
-                          mask=tl.where(has, rows, False), other=0.0, cache_modifier=".cg")
-            o_s = tl.load(PART_O + (slot * BLOCK_H + g[:, None]) * R_PAD + r[None, :],
-                          mask=tl.where(has, tile, False), other=0.0, cache_modifier=".cg")
-            m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
-            m_all = tl.where(has, m_new, m_all)
-            l_all = tl.where(has, l_new, l_all)
-            o_all = tl.where(has, o_new, o_all)
-        tl.store(out, (o_all / l_all[:, None]).to(out.dtype.element_ty), mask=out_mask)
+    else:       # the paged attention kernel's split end: a row and head group is one unit
+        g = tl.arange(0, BLOCK_H)
+        _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out, out_mask, out, out_mask, 0,
+                      num_tiles - 1, (row * tl.num_programs(1) + head_group).to(tl.int64),
+                      split, g, h_ok, g, h_ok, r, BLOCK_H, R_PAD, BLOCK_H, SPLITS)
 
 
 def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorbed queries

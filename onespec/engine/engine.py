@@ -117,16 +117,15 @@ class Engine:
             self._check_tree(drafter, mcfg)
         max_positions = self.max_model_len + 2 * k + 2
         self.model.setup_rotary(max_positions, self.device)
-        attn_layers = [layer.self_attn for layer in self.model.model.layers]
+        target_layers = [layer.self_attn for layer in self.model.model.layers]
+        draft_layers = drafter.attention_layers if drafter else []
         if drafter:
             drafter.head.setup_rotary(max_positions, self.device)
-            attn_layers += drafter.attention_layers
-        num_blocks = self._num_kv_blocks(attn_layers, k)
+        num_blocks = self._num_kv_blocks(target_layers + draft_layers, k)
         # one block past the pool is scratch space for the padding rows of CUDA graphs;
         # the target's layers apart from the drafter's (tree steps move the target's
         # entries of every layer at once: their own tensor)
-        num_target = len(self.model.model.layers)
-        for layers in (attn_layers[:num_target], attn_layers[num_target:]):
+        for layers in (target_layers, draft_layers):
             allocate_kv_cache(layers, num_blocks + 1, config.block_size, self.device)
         self.pool = BlockPool(num_blocks, config.block_size,
                               self._prefix_cache(drafter, speculative_config))

@@ -179,20 +179,18 @@ def compact_cache(attn_layers, block_tables: Tensor, base: Tensor, path: Tensor,
     steps = torch.arange(path.shape[1], device=path.device)
     src = _slots(block_tables, base[:, None] + path, block_size).reshape(-1)
     dst = _slots(block_tables, base[:, None] + steps, block_size).reshape(-1)
-    pools: dict[int, tuple[Tensor, int]] = {}         # kv_pool -> layers of it given here
+    by_pool: dict[int, list] = {}      # id(kv_pool) -> the layers of it given here
     rest = []
     for attn in attn_layers:
         pool = getattr(attn, "kv_pool", None)
-        if pool is None:
-            rest.append(attn)
-        else:
-            pools[id(pool)] = (pool, pools.get(id(pool), (pool, 0))[1] + 1)
-    for pool, n in pools.values():
-        if n == pool.shape[1]:       # every layer of the pool: one move for all of them
+        (rest if pool is None else by_pool.setdefault(id(pool), [])).append(attn)
+    for layers in by_pool.values():
+        pool = layers[0].kv_pool
+        if len(layers) == pool.shape[1]:    # every layer of the pool: one move for all
             flat = pool.flatten(0, 1)                                 # [2 L, slots, Hkv, D]
             flat.index_copy_(1, dst, flat.index_select(1, src))
         else:
-            rest += [a for a in attn_layers if getattr(a, "kv_pool", None) is pool]
+            rest += layers
     for attn in rest:
         for cache in cache_tensors(attn):
             cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -79,11 +79,6 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "HAS_BIAS": True, "PRENORMED": True, "BLOCK_P": 128}, gated_cfg[2:])
     yield ("gemv fp32 logits", gv._gemv_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": plain_cfg[0], "BLOCK_K": plain_cfg[1]}, plain_cfg[2:])
-    router_cfg = gv.default_tiling(64, 2048, False)      # an MoE router: float32 weights
-    yield ("gemv router (bf16 rows, fp32 weight and logits)", gv._gemv_kernel,
-           {**ptrs, "W": "*fp32", "Y": "*fp32"},
-           {**linear, "BLOCK_N": router_cfg[0], "BLOCK_K": router_cfg[1], "IEEE": True},
-           router_cfg[2:])
     vocab_cfg = gv.default_tiling(128256, 4096, False, True)   # a vocabulary-sized lm_head
     yield ("gemv argmax", gv._gemv_kernel, {**ptrs, "Y": "*fp32"},
            {**linear, "BLOCK_N": vocab_cfg[0], "BLOCK_K": vocab_cfg[1], "ARGMAX": True},

@@ -128,13 +128,6 @@ class TritonOps(TorchOps):
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base)
 
-    def router_logits(self, weight, x):
-        if not self.decode_sized(x):
-            return super().router_logits(weight, x)
-        # one GEMV: rows and float32 weights multiplied in float32 (the IEEE path), float32
-        # out, instead of a cast and a cuBLAS float32 GEMV of two kernels
-        return gemv(x, weight, out_dtype=torch.float32, pdl=self.pdl(self._x(x).device))
-
     def routed_experts(self, experts, x, logits, router, bias=None, residual=None):
         if not self.rows(x):
             return super().routed_experts(experts, x, logits, router, bias, residual)

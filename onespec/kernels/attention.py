@@ -247,16 +247,18 @@ def _store_normalised(out_ptrs, acc, l, out_mask):
 def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge_ptrs,
                   merge_mask, t_lo, t_hi, unit, split, g, g_ok, gm, gm_ok, d,
                   GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, UNROLL: tl.constexpr = True):
     """Store this split's (acc, m, l); the last of the unit's splits with keys to arrive
     merges them all in split order (the same arithmetic whichever program comes last;
     a split with no key visible to a row adds exact zeros to it). Splits without keys
     leave at once; keys within one tile need no merge. Only the tile's real rows are
     stored (g_ok) and merged (the first MERGE_ROWS rows; merge_ptrs, merge_mask).
 
-    The merge loop is unrolled and each split's loads are predicated rather than branched
-    over, so they are all in flight at once (one L2 round trip for the partials instead of
-    one per split); a split without keys leaves the state as it is."""
+    UNROLL: the merge loop is unrolled and each split's loads are predicated rather than
+    branched over, so they are all in flight at once (one L2 round trip for the partials
+    instead of one per split); a split without keys leaves the state as it is. Wide
+    partials (MLA's 512-wide latents: SPLITS x 32 KB a program) would not fit in registers
+    unrolled: there the loop loads one split at a time."""
     if _first_tile(split, t_lo, SPLITS) > t_hi:
         return
     if t_hi == t_lo:
@@ -275,15 +277,29 @@ def _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out_ptrs, out_mask, merge
         m_all = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
         l_all = tl.zeros([MERGE_ROWS], tl.float32)
         o_all = tl.zeros([MERGE_ROWS, DIM_PAD], tl.float32)
-        for s in tl.static_range(SPLITS):
-            has = _first_tile(s, t_lo, SPLITS) <= t_hi
-            o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, gm, gm_ok, d,
-                                          merge_mask, has, GROUP_PAD, DIM_PAD)
-            m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
-            m_all = tl.where(has, m_new, m_all)
-            l_all = tl.where(has, l_new, l_all)
-            o_all = tl.where(has, o_new, o_all)
+        if UNROLL:
+            for s in tl.static_range(SPLITS):
+                m_all, l_all, o_all = _merge_split(m_all, l_all, o_all, PART_O, PART_ML,
+                                                   base, s, t_lo, t_hi, gm, gm_ok, d,
+                                                   merge_mask, GROUP_PAD, DIM_PAD, SPLITS)
+        else:
+            for s in range(SPLITS):
+                m_all, l_all, o_all = _merge_split(m_all, l_all, o_all, PART_O, PART_ML,
+                                                   base, s, t_lo, t_hi, gm, gm_ok, d,
+                                                   merge_mask, GROUP_PAD, DIM_PAD, SPLITS)
         _store_normalised(merge_ptrs, o_all, l_all, merge_mask)
+
+
+@triton.jit
+def _merge_split(m_all, l_all, o_all, PART_O, PART_ML, base, s, t_lo, t_hi, g, g_ok, d,
+                 mask, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    """The running merge after split s's stored state (unchanged if s has no keys)."""
+    has = _first_tile(s, t_lo, SPLITS) <= t_hi
+    o_s, m_s, l_s = _load_partial(PART_O, PART_ML, base + s, g, g_ok, d, mask, has,
+                                  GROUP_PAD, DIM_PAD)
+    m_new, l_new, o_new = _merge_one(m_all, l_all, o_all, m_s, l_s, o_s)
+    return (tl.where(has, m_new, m_all), tl.where(has, l_new, l_all),
+            tl.where(has, o_new, o_all))
 
 
 @triton.jit

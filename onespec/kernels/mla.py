@@ -97,7 +97,8 @@ def _mla_kernel(Q, CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_
         g = tl.arange(0, BLOCK_H)
         _merge_splits(acc, m, l, PART_O, PART_ML, TICKETS, out, out_mask, out, out_mask, 0,
                       num_tiles - 1, (row * tl.num_programs(1) + head_group).to(tl.int64),
-                      split, g, h_ok, g, h_ok, r, BLOCK_H, R_PAD, BLOCK_H, SPLITS)
+                      split, g, h_ok, g, h_ok, r, BLOCK_H, R_PAD, BLOCK_H, SPLITS,
+                      False)
 
 
 def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorbed queries

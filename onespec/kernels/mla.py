@@ -120,7 +120,9 @@ def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorb
     block_n, warps, stages = TILING
     groups = triton.cdiv(heads, BLOCK_H)
     splits = SPLITS if rows <= SPLIT_ROWS else 1
-    r_pad = triton.next_power_of_2(rank)
+    # dot operands at least 16 wide, as the paged attention kernel pads them
+    r_pad = max(16, triton.next_power_of_2(rank))
+    p_pad = max(16, triton.next_power_of_2(width - rank))
     units = rows * groups * splits if splits > 1 else 1
     part_o = torch.empty(units * BLOCK_H * r_pad, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(units * 2 * BLOCK_H, dtype=torch.float32, device=q.device)
@@ -130,7 +132,7 @@ def mla_attention(q: torch.Tensor,              # [T, heads, RANK + ROPE] absorb
         q, cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0),
         out.stride(1), heads, scale, RANK=rank, ROPE=width - rank, R_PAD=r_pad,
-        P_PAD=triton.next_power_of_2(width - rank), BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size,
+        P_PAD=p_pad, BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLITS=splits, IEEE=ieee, num_warps=warps, num_stages=stages)
     return out
 

@@ -102,11 +102,6 @@ class TorchOps:
         self.norm(hidden_norm, hidden, out=a[:, h:])
         return a
 
-    def router_logits(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] @ weight.T [E, H] in float32 [T, E] (routing is sensitive to rounding:
-        DeepSeek-V3 routes in float32 whatever the model's dtype)."""
-        return F.linear(x.float(), weight.float())
-
     def routed_experts(self, experts, x, logits: torch.Tensor, router, bias=None,
                        residual: torch.Tensor | None = None):
         """experts (models/moe.py Experts) applied to x [T, H] as `router` (models/moe.py

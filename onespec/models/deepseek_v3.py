@@ -387,7 +387,8 @@ class DeepseekMoE(nn.Module):
         """x [T, H] -> routed experts + shared experts [T, H]. With a residual: (residual +
         that, next_norm of it or None), the residual added where the routed experts' pairs
         are summed (MLP.forward for next_norm and `last`)."""
-        logits = self.ops.router_logits(self.gate.weight, x)                    # [T, E]
+        # float32 logits whatever the model's dtype: routing is sensitive to rounding
+        logits = F.linear(x.float(), self.gate.weight.float())                  # [T, E]
         out = self.experts(x, logits, self.router, self.gate.e_score_correction_bias,
                            residual)
         if residual is None:

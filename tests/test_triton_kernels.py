@@ -485,7 +485,8 @@ def test_split_attention_rows_do_not_depend_on_the_batch():
 @torch.inference_mode()
 def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
     """A launch without splits packs a 6-row request with 3 query heads a kv head (18 tile
-    rows) into one 32-row tile, reading each key tile once: the same results as one program
+    rows) into one 32-row tile, reading each key tile once, or, in 16-row tiles, into two
+    programs of 3 rows (the largest divisor that fits): the same results as one program
     per row. In bf16 on the GPU bit-identical: each row's tensor-core dots add the same
     terms in the same order in either tile height. float32's dots (FMA, 'ieee') and
     Triton's interpreter (numpy) sum in an order that follows the tile's layout."""
@@ -493,13 +494,28 @@ def test_verify_rows_packed_in_a_32_row_tile_match_unpacked(dtype):
                                                       [900, 60, 301])
     req = torch.arange(3, device=DEV).repeat_interleave(6)
     outs = {tile: ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
-                                     rows_per_request=6, pack_tile_rows=tile,
-                                     split_programs=0)
-            for tile in (16, 32)}
-    if DEV == "cuda" and dtype == torch.bfloat16:
-        assert torch.equal(outs[32], outs[16])
+                                     rows_per_request=rpr, pack_tile_rows=tile,
+                                     split_programs=0, config=ta.ROWS_CONFIG)
+            for tile, rpr in ((16, 6), (32, 6), (0, 0))}       # 0: one program per row
     tol = TOL[dtype] / 2
-    torch.testing.assert_close(outs[32].float(), outs[16].float(), atol=tol, rtol=tol)
+    for tile in (16, 32):
+        if DEV == "cuda" and dtype == torch.bfloat16:
+            assert torch.equal(outs[tile], outs[0])
+        torch.testing.assert_close(outs[tile].float(), outs[0].float(), atol=tol, rtol=tol)
+
+
+def test_pack_takes_the_largest_divisor_that_fits():
+    """Rows of a request one program takes: all of them where they fit the tile; else the
+    largest divisor of the request's rows that fits (a 32-node tree's 33 verify rows with
+    4 query heads a kv head: 3 a program in 32-row tiles); 1 where no divisor but 1 fits."""
+    assert ta._pack(6, 3, 32) == 6
+    assert ta._pack(6, 3, 16) == 3
+    assert ta._pack(33, 4, 32) == 3
+    assert ta._pack(33, 4, 16) == 3
+    assert ta._pack(7, 4, 16) == 1
+    assert ta._pack(4, 8, 16) == 2
+    assert ta._pack(1, 4, 32) == 1
+    assert ta._pack(5, 32, 16) == 1          # a group wider than the tile: one row
 
 
 def _random_parents(batch: int, nodes: int, seed: int, padded: int = -1) -> torch.Tensor:
@@ -542,7 +558,7 @@ TREE_CASES = ["mixed", "verify-split", "verify-wide", "verify-unsplit"]
 # masks, a looser tolerance), since each case costs seconds in Triton's interpreter
 @pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,case", [
     *[(torch.float32, 4, 2, 32, case) for case in TREE_CASES],
-    *[(torch.float32, 6, 2, 24, case) for case in ("mixed", "verify-wide")],
+    *[(torch.float32, 6, 2, 24, case) for case in ("mixed", "verify-wide", "verify-partial")],
     (torch.bfloat16, 6, 2, 24, "verify-split")])
 @torch.inference_mode()
 def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, case):
@@ -553,9 +569,12 @@ def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, c
     keys. 'mixed': prefill chunks before the tree requests (rows per request unknown, a
     split launch of 16 rows); 'verify-split': 3 requests of N = 4, packed and split 16
     ways; 'verify-wide': 5 requests of N = 7 (40 rows), packed and split (few programs);
-    'verify-unsplit': the same never split (one program walks every key tile)."""
+    'verify-unsplit': the same never split (one program walks every key tile);
+    'verify-partial': 2 requests of N = 14, whose 15 rows x 3 query heads overflow the
+    32-row tile: 5 rows a program, unsplit (as a 32-node tree's 33 rows, 3 a program)."""
     nodes, batch, ctx = {"mixed": (5, 2, [3, 1]), "verify-split": (4, 3, []),
-                         "verify-wide": (7, 5, []), "verify-unsplit": (7, 5, [])}[case]
+                         "verify-wide": (7, 5, []), "verify-unsplit": (7, 5, []),
+                         "verify-partial": (14, 2, [])}[case]
     starts = [1200, 2, 700, 64, 333][:batch]
     ctx_starts = [40, 5][:len(ctx)]
     q_lens = ctx + [nodes + 1] * batch
@@ -566,7 +585,7 @@ def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, c
     ancestors = ancestor_matrix(parents, nodes)
     req_index = torch.arange(len(ctx), len(q_lens), device=DEV)
     base = torch.tensor(starts, device=DEV)
-    launch = {"split_programs": 0} if case == "verify-unsplit" else {}
+    launch = {"split_programs": 0} if case in ("verify-unsplit", "verify-partial") else {}
     want, got = _tree_attention(q, kc, vc, tables, q_lens if ctx else nodes + 1, positions,
                                 bs, req_index, base, ancestors, **launch)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -14,7 +14,9 @@ the partials in split order. A batch-1 decode step thus runs 8 x 16 programs ins
 with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all
 (its result is stored as is, no merge) and the other splits leave at once.
 When every request has the same number of consecutive rows (a K+1-row verify), a request's
-rows can share one program per kv head and read each key tile once (rows_per_request).
+rows can share one program per kv head and read each key tile once (rows_per_request);
+where they overflow the tile (a 32-node tree's 33 rows), programs take the largest
+divisor of them that fits.
 Such launches of more rows split too when their programs would not fill the GPU (a K = 3
 verify of 8 requests packs into 8 x 8 programs; at 16k keys each would walk all of them):
 into the largest power of two of splits, at most SPLITS, that keeps the programs within
@@ -337,9 +339,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _pack(rpr: int, group: int, limit: int) -> int:
-    """Rows of a request one program takes: all rpr if their (row, query head) rows fit
-    `limit` tile rows, else 1."""
-    return rpr if rpr > 1 and rpr * group <= limit else 1
+    """Rows of a request one program takes: the largest divisor of rpr whose (row, query
+    head) rows fit `limit` tile rows (all rpr where they fit; a 32-node tree's 33 verify
+    rows of a Llama-3 kv group of 4 heads: 3, so each key tile is read 11 times, not 33)."""
+    if rpr <= 1:
+        return 1
+    return max(p for p in range(1, rpr + 1) if rpr % p == 0 and p * group <= max(limit, group))
 
 
 def _num_splits(num_rows: int, rpr: int, units: int, splits: int,

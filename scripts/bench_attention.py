@@ -7,7 +7,10 @@ One decode row (32 q heads, 8 kv heads, D = 128, bf16) over a paged context: eac
 one call's time in a CUDA graph of 32 calls on 32 layers' caches, with the default tiling
 for a single program per (row, kv head) (splits 1, what launches of more than 16 rows use)
 and for the split launch that decode uses. One JSON line per (context, splits), with the
-KV bytes read per GB/s.
+KV bytes read per GB/s. --batch B: a decode step of B requests (B <= 16) instead of one,
+each at `context`; --configs BLOCK_N:WARPS:STAGES,...: time each tiling too ("default":
+the kernel's own), e.g. `--contexts 65536 --splits 16,32 --configs default,128:4:2`.
+Splits are taken as given, not fitted to the GPU.
 
 --verify BATCH:ROWS,...: instead, verify launches of BATCH requests of ROWS rows each
 (K + 1) after `context` positions, with a request's rows packed into tiles of at most 16
@@ -25,6 +28,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import graph_us  # noqa: E402
@@ -38,24 +42,27 @@ def graph_time_us(fn, calls: int, reps: int = 20) -> float:
     return graph_us(fn, per=calls, reps=reps, trials=1)
 
 
-def attention_call(context: int, splits: int, layers: int = 32):
-    """One decode row's attention after `context` positions on `layers` layers' caches."""
+def attention_call(context: int, batch: int = 1, layers: int = 32):
+    """A decode step of `batch` requests, each after `context` positions, on `layers`
+    layers' caches: run(splits, config)."""
     bs, heads, kv_heads, d = 16, 32, 8, 128
-    blocks = -(-context // bs) + 1
+    per = -(-context // bs) + 1
     dt = torch.bfloat16
-    caches = [(torch.randn(blocks * bs, kv_heads, d, device="cuda", dtype=dt),
-               torch.randn(blocks * bs, kv_heads, d, device="cuda", dtype=dt))
+    caches = [(torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt),
+               torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt))
               for _ in range(layers)]
-    q = torch.randn(1, heads, d, device="cuda", dtype=dt)
-    table = torch.randperm(blocks, device="cuda")[None, :]
-    req = torch.zeros(1, dtype=torch.int64, device="cuda")
-    pos = torch.tensor([context - 1], device="cuda")
+    q = torch.randn(batch, heads, d, device="cuda", dtype=dt)
+    tables = torch.randperm(batch * per, device="cuda").view(batch, per)
+    req = torch.arange(batch, device="cuda")
+    pos = torch.full((batch,), context - 1, device="cuda")
 
-    def run():
-        return [ta.paged_attention(q, kc, vc, table, req, pos, d ** -0.5, bs, splits=splits,
-                                   pdl=pdl_supported(q.device))
+    def run(splits: int, config: tuple[int, int, int] | None = None):
+        # a split budget of one program per split: the splits as given
+        return [ta.paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs, splits=splits,
+                                   config=config, split_programs=splits * batch * kv_heads,
+                                   rows_per_request=1, pdl=pdl_supported(q.device))
                 for kc, vc in caches]
-    kv_bytes = 2 * context * kv_heads * d * 2
+    kv_bytes = batch * 2 * context * kv_heads * d * 2
     return run, kv_bytes, layers
 
 
@@ -121,6 +128,9 @@ def main():
     p.add_argument("--contexts", default="256,1024,4096,16384")
     p.add_argument("--splits", default=f"1,{ta.SPLITS}")
     p.add_argument("--verify", default=None, help="BATCH:ROWS,... (see the docstring)")
+    p.add_argument("--batch", type=int, default=1, help="decode rows (at most 16)")
+    p.add_argument("--configs", default="default",
+                   help="tilings BLOCK_N:WARPS:STAGES,... or default")
     p.add_argument("--split-programs", default=None,
                    help="with --verify: split budgets to compare, e.g. 0,default")
     args = p.parse_args()
@@ -135,12 +145,29 @@ def main():
                 else:
                     verify_rows(spec, context)
         return
+    configs = [None if c == "default" else tuple(int(x) for x in c.split(":"))
+               for c in args.configs.split(",")]
     for context in (int(c) for c in args.contexts.split(",")):
+        run, kv_bytes, layers = attention_call(context, args.batch)
+        first = None
         for splits in (int(s) for s in args.splits.split(",")):
-            run, kv_bytes, layers = attention_call(context, splits)
-            us = graph_time_us(run, layers)
-            print(json.dumps({"context": context, "splits": splits, "us": round(us, 2),
-                              "kv_gbs": round(kv_bytes / us / 1e3, 1)}), flush=True)
+            for config in configs:
+                name = "default" if config is None else ":".join(map(str, config))
+                try:
+                    out = run(splits, config)[0].float()
+                except triton.runtime.errors.OutOfResources as e:
+                    print(json.dumps({"context": context, "splits": splits, "config": name,
+                                      "error": str(e)}), flush=True)
+                    continue
+                first = out if first is None else first
+                us = graph_time_us(functools.partial(run, splits, config), layers)
+                print(json.dumps({"context": context, "batch": args.batch, "splits": splits,
+                                  "config": name,
+                                  "us": round(us, 2), "kv_gbs": round(kv_bytes / us / 1e3, 1),
+                                  "max_abs_diff": (out - first).abs().max().item()}),
+                      flush=True)
+        del run
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

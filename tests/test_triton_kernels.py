@@ -626,16 +626,21 @@ def test_tree_draft_pass_attention_matches_torch(dtype, top_k, depth):
 
 def test_num_splits_worked_examples():
     """8B shape (8 kv heads, 4 query heads each) on 132 SMs: decode-sized launches split
-    16 ways at batch 1 and 2, fewer where their programs would pass two an SM (batch 8:
-    4 ways, 16: 2); a K = 3 verify of 8 requests (32 rows, 64 packed programs) splits 4 ways, of
-    16 requests 2 ways, of 32 not at all; plain decode of 32 rows and prefill never."""
+    32 ways at batch 1, 16 at batch 2, fewer where their programs would pass two an SM
+    (batch 8: 4 ways, 16: 2); a K = 3 verify of one request (4 rows x 4 heads merged) at
+    most 16 ways, so its last split's merge holds 256 rows; of 8 requests (32 rows, 64
+    packed programs) 4 ways, of 16 requests 2 ways, of 32 not at all; plain decode of 32
+    rows and prefill never."""
     programs = 2 * 132
-    assert ta._num_splits(1, 1, 8, 16, programs) == 16
-    assert ta._num_splits(2, 1, 16, 16, programs) == 16
-    assert ta._num_splits(8, 1, 64, 16, programs) == 4
-    assert ta._num_splits(16, 1, 128, 16, programs) == 2
+    assert ta.SPLITS == 32 and ta.MERGE_SPLIT_ROWS == 256
+    assert ta._num_splits(1, 1, 8, 32, programs, 4) == 32
+    assert ta._num_splits(2, 1, 16, 32, programs, 4) == 16
+    assert ta._num_splits(4, 4, 8, 32, programs, 16) == 16
+    assert ta._num_splits(4, 4, 8, 32, 0, 16) == 16
+    assert ta._num_splits(8, 1, 64, 32, programs, 4) == 4
+    assert ta._num_splits(16, 1, 128, 32, programs, 4) == 2
     assert ta._num_splits(8, 1, 64, 16, 0) == 16                     # (tests: as before)
-    assert ta._num_splits(32, 4, 8 * 8, 16, programs) == 4
+    assert ta._num_splits(32, 4, 8 * 8, 32, programs, 16) == 4
     assert ta._num_splits(64, 4, 16 * 8, 16, programs) == 2
     assert ta._num_splits(128, 4, 32 * 8, 16, programs) == 1
     assert ta._num_splits(32, 1, 32 * 8, 16, programs) == 1

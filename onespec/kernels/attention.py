@@ -7,11 +7,11 @@ single-token draft rows are all just rows with a request index and a position, s
 kernel serves all three, and its metadata is built on the device (CUDA-graph safe).
 
 Decode-sized launches (at most MAX_SPLIT_ROWS rows) split each row's keys over up to SPLITS
-programs, as many as keep the launch within split_programs (flash-decoding; batch 8 of the
-8B shape: 4): split s takes key tiles s, s + SPLITS, ..., stores its partial
+programs, as many as keep the launch within split_programs (flash-decoding; batch 1 of the
+8B shape: 32, batch 8: 4): split s takes key tiles s, s + SPLITS, ..., stores its partial
 softmax state, and the last split to finish (an atomic ticket per row and kv head) merges
-the partials in split order. A batch-1 decode step thus runs 8 x 16 programs instead of 8;
-with 16-bit keys its tiles hold 256 keys, so up to 256 positions split 0 holds them all
+the partials in split order. A batch-1 decode step thus runs 8 x 32 programs instead of 8;
+with 16-bit keys its tiles hold 128 keys, so up to 128 positions split 0 holds them all
 (its result is stored as is, no merge) and the other splits leave at once.
 When every request has the same number of consecutive rows (a K+1-row verify), a request's
 rows can share one program per kv head and read each key tile once (rows_per_request);
@@ -42,11 +42,13 @@ from onespec.kernels.launch import INTERPRETED, pdl_launch, pdl_start
 
 NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # launches of up to this many rows split their keys
-SPLITS = 16
-# decode-sized launches, 16-bit keys of head_dim <= 128: 256-key tiles, 8 warps, one stage.
-# Up to 256 keys one program per (row, kv head) holds them all, read before its PDL wait,
-# and no merge is needed (H200 plain batch 1: 4.14 vs 4.18 ms with 64-key tiles)
-SPLIT_CONFIG = (256, 8, 1)
+SPLITS = 32
+# decode-sized launches, 16-bit keys of head_dim <= 128: 128-key tiles, 4 warps, two
+# stages, so a split loads its next tile while it works on this one and two programs share
+# an SM. With one stage of 256-key tiles at 8 warps (one program an SM) the loads stall
+# at long contexts (H100, 8B shape, one layer: batch 1 at 64k keys 96.5 us with 32 splits
+# vs 126.5 us; batch 8 at 16k, 4 splits, 181 vs 241 us; at 1k keys 6.1 vs 6.3 us).
+SPLIT_CONFIG = (128, 4, 2)
 # launches of more rows, where every request has a few (decode steps and verifies of larger
 # batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
 # batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling)
@@ -57,6 +59,11 @@ ROWS_CONFIG = (128, 4, 2)
 # reading every key again. Split launches pack only into the 16-row tile one row uses.
 PACK_TILE_ROWS = 32
 PROGRAMS_PER_SM = 2          # launches of uniform rows split up to this many programs an SM
+# the last split's unrolled merge holds every split's partial rows in registers: splits x
+# merged rows stay within this. A decode row's 4 query heads of the 8B shape split 32 ways,
+# a K = 3 verify's 4 rows x 4 heads 16 (H100, 16k keys: a K = 3 step of one request took
+# 7.97 ms with its verify split 32 ways, 7.70 with 16)
+MERGE_SPLIT_ROWS = 256
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []     # smaller counters captured graphs may still use
 
@@ -178,9 +185,8 @@ def _paged_attention_kernel(
     t_hi = pos_max // BLOCK_N
     t0 = _first_tile(split, t_lo, SPLITS)
     # A split without a key tile leaves at once (it writes nothing, takes no ticket): with
-    # the rows known before its PDL wait, it frees its SM (8 warps at ~250 registers fill
-    # one) while the qkv kernel still runs, and the successor's launch waits only for the
-    # splits that work.
+    # the rows known before its PDL wait, it frees its SM slot while the qkv kernel still
+    # runs, and the successor's launch waits only for the splits that work.
     if t0 > t_hi:
         return
     n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t0, lo_min, pos_max,
@@ -348,19 +354,22 @@ def _pack(rpr: int, group: int, limit: int) -> int:
 
 
 def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
-                split_programs: int) -> int:
+                split_programs: int, merge_rows: int = 1) -> int:
     """Splits of a launch: for decode-sized launches and for launches of more uniform rows
     (0 < rpr <= MAX_SPLIT_ROWS), the largest power of two <= splits keeping units x
     splits within split_programs (at least 1 for decode-sized ones: a batch of 8 at 16k
-    keys runs 256 programs of 16 key tiles, not 1024 of 4 and their merges); for uniform
-    launches whose units already fill the GPU, and prefill chunks, 1. split_programs 0:
-    decode-sized launches take `splits`, others 1."""
+    keys runs 256 programs of 32 key tiles, not 2048 of 4 and their merges) and splits x
+    merge_rows (a program's merged rows, a power of two) within MERGE_SPLIT_ROWS; for
+    uniform launches whose units already fill the GPU, and prefill chunks, 1.
+    split_programs 0: decode-sized launches take `splits` (within MERGE_SPLIT_ROWS),
+    others 1."""
     fit = 1 << max(split_programs // max(units, 1), 1).bit_length() - 1
+    merge_fit = max(MERGE_SPLIT_ROWS // merge_rows, 1)
     if num_rows <= MAX_SPLIT_ROWS:
-        return min(splits, fit) if split_programs > 0 else splits
+        return min(splits, merge_fit, fit if split_programs > 0 else splits)
     if not 0 < rpr <= MAX_SPLIT_ROWS or units * 2 > split_programs:
         return 1
-    return min(splits, fit)
+    return min(splits, fit, merge_fit)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
@@ -402,11 +411,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     if split_programs is None:
         split_programs = PROGRAMS_PER_SM * _sm_count(q.device)
     # split launches pack only into the tile one row uses
-    units = num_rows // _pack(rpr, group, group_pad) * num_kv_heads
-    splits = _num_splits(num_rows, rpr, units, splits, split_programs)
+    split_pack = _pack(rpr, group, group_pad)
+    units = num_rows // split_pack * num_kv_heads
+    splits = _num_splits(num_rows, rpr, units, splits, split_programs,
+                         triton.next_power_of_2(split_pack * group))
     if config is None:
-        # 256-key tiles: at 256..1024 positions 5.5..17 us per 8B-shape layer vs 8.6..32
-        # with 64 (swept on an H200)
+        # prefill chunks: 256-key tiles (at 256..1024 positions 5.5..17 us per 8B-shape
+        # layer vs 8.6..32 with 64, swept on an H200)
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
         if splits > 1 and num_rows <= MAX_SPLIT_ROWS:

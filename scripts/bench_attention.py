@@ -156,8 +156,9 @@ def main():
                 try:
                     out = run(splits, config)[0].float()
                 except triton.runtime.errors.OutOfResources as e:
-                    print(json.dumps({"context": context, "splits": splits, "config": name,
-                                      "error": str(e)}), flush=True)
+                    print(json.dumps({"context": context, "batch": args.batch,
+                                      "splits": splits, "config": name, "error": str(e)}),
+                          flush=True)
                     continue
                 first = out if first is None else first
                 us = graph_time_us(functools.partial(run, splits, config), layers)

@@ -136,16 +136,18 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4, "TREE": False}
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
-    split_n, split_warps, split_stages = ta.SPLIT_CONFIG
+    rows_n, rows_warps, rows_stages = ta.ROWS_CONFIG
+
+    def capped(merge_rows):      # the splits of a launch whose programs merge these rows
+        return min(ta.SPLITS, ta.MERGE_SPLIT_ROWS // merge_rows)
     yield ("attention bf16 decode (split keys, 4-row verify packs)",
            ta._paged_attention_kernel, attn,
-           {**base, "ROWS": 4, "BLOCK_N": split_n, "SPLITS": ta.SPLITS,
-            "RPR": 4, "RPR_PAD": 4, "IEEE": False}, (split_warps, split_stages))
+           {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": capped(16), "RPR": 4,
+            "RPR_PAD": 4, "IEEE": False, "MERGE_ROWS": 16}, (rows_warps, rows_stages))
     yield ("attention bf16 decode (split keys, 1 row per request)",
            ta._paged_attention_kernel, attn,
-           {**base, "BLOCK_N": split_n, "SPLITS": ta.SPLITS, "RPR": 1,
-            "IEEE": False}, (split_warps, split_stages))
-    rows_n, rows_warps, rows_stages = ta.ROWS_CONFIG
+           {**base, "BLOCK_N": rows_n, "SPLITS": capped(4), "RPR": 1,
+            "IEEE": False}, (rows_warps, rows_stages))
     yield ("attention bf16 batched decode (4-row verify packs, no split)",
            ta._paged_attention_kernel, attn,
            {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": 1, "RPR": 4, "RPR_PAD": 4,
@@ -156,9 +158,9 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
             "RPR_PAD": 8, "IEEE": False, "MERGE_ROWS": 32}, (rows_warps, rows_stages))
     yield ("attention bf16 tree verify (split keys, 8-row packs, ancestor masks)",
            ta._paged_attention_kernel, attn,
-           {**base, "ROWS": 8, "GROUP_PAD": 32, "BLOCK_N": split_n, "SPLITS": ta.SPLITS,
+           {**base, "ROWS": 8, "GROUP_PAD": 32, "BLOCK_N": rows_n, "SPLITS": capped(32),
             "RPR": 8, "RPR_PAD": 8, "IEEE": False, "MERGE_ROWS": 32, "TREE": True},
-           (split_warps, split_stages))
+           (rows_warps, rows_stages))
     yield ("attention bf16 tree verify (no split, ancestor masks)",
            ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False, "TREE": True}, (8, 3))

@@ -43,15 +43,13 @@ from onespec.kernels.launch import INTERPRETED, pdl_launch, pdl_start
 NO_WINDOW = 1 << 30
 MAX_SPLIT_ROWS = 16     # launches of up to this many rows split their keys
 SPLITS = 32
-# decode-sized launches, 16-bit keys of head_dim <= 128: 128-key tiles, 4 warps, two
-# stages, so a split loads its next tile while it works on this one and two programs share
-# an SM. With one stage of 256-key tiles at 8 warps (one program an SM) the loads stall
-# at long contexts (H100, 8B shape, one layer: batch 1 at 64k keys 96.5 us with 32 splits
-# vs 126.5 us; batch 8 at 16k, 4 splits, 181 vs 241 us; at 1k keys 6.1 vs 6.3 us).
-SPLIT_CONFIG = (128, 4, 2)
-# launches of more rows, where every request has a few (decode steps and verifies of larger
-# batches): 128-key tiles, 4 warps, 2 stages, so two programs share an SM (H200, 8B shape,
-# batch 32: attention 15.8 vs 27.2 us a layer with the prefill tiling)
+# decode-sized launches, and launches of more rows where every request has a few (decode
+# steps and verifies of larger batches), 16-bit keys of head_dim <= 128: 128-key tiles,
+# 4 warps, two stages, so a program loads its next tile while it works on this one and two
+# programs share an SM. With one stage of 256-key tiles at 8 warps (one program an SM)
+# split loads stall at long contexts (H100, 8B shape, one layer: batch 1 at 64k keys
+# 96.5 us with 32 splits vs 126.5 us; batch 8 at 16k, 4 splits, 181 vs 241 us; at 1k keys
+# 6.1 vs 6.3 us); the prefill tiling took 27.2 us a layer at batch 32 against 15.8 (H200).
 ROWS_CONFIG = (128, 4, 2)
 # launches without splits pack a request's rows into a tile of up to this many (row,
 # query head) rows, read each key tile once for all of them: a K = 5 verify's 6 rows x 4
@@ -364,12 +362,12 @@ def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
     split_programs 0: decode-sized launches take `splits` (within MERGE_SPLIT_ROWS),
     others 1."""
     fit = 1 << max(split_programs // max(units, 1), 1).bit_length() - 1
-    merge_fit = max(MERGE_SPLIT_ROWS // merge_rows, 1)
+    splits = min(splits, max(MERGE_SPLIT_ROWS // merge_rows, 1))
     if num_rows <= MAX_SPLIT_ROWS:
-        return min(splits, merge_fit, fit if split_programs > 0 else splits)
+        return min(splits, fit) if split_programs > 0 else splits
     if not 0 < rpr <= MAX_SPLIT_ROWS or units * 2 > split_programs:
         return 1
-    return min(splits, fit, merge_fit)
+    return min(splits, fit)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
@@ -420,14 +418,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         # layer vs 8.6..32 with 64, swept on an H200)
         wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
         narrow = 64 if head_dim <= 128 else 32
-        if splits > 1 and num_rows <= MAX_SPLIT_ROWS:
-            config = SPLIT_CONFIG if wide else (narrow, 4, 2)
-        elif 0 < rpr <= MAX_SPLIT_ROWS:
+        if (splits > 1 and num_rows <= MAX_SPLIT_ROWS) or 0 < rpr <= MAX_SPLIT_ROWS:
             config = ROWS_CONFIG if wide else (narrow, 4, 2)
         else:
             config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
-    pack = _pack(rpr, group, group_pad if splits > 1 else max(group_pad, pack_tile_rows))
+    pack = split_pack if splits > 1 else _pack(rpr, group, max(group_pad, pack_tile_rows))
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
     units = num_rows // pack * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32

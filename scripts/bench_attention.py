@@ -42,51 +42,51 @@ def graph_time_us(fn, calls: int, reps: int = 20) -> float:
     return graph_us(fn, per=calls, reps=reps, trials=1)
 
 
+BS, HEADS, KV_HEADS, D = 16, 32, 8, 128      # the 8B shape, 16-slot blocks
+
+
+def paged_caches(batch: int, per: int, layers: int):
+    """`layers` layers' bf16 key and value caches of `batch` requests with `per` blocks
+    each, and their block tables (blocks shuffled through the pool)."""
+    caches = [tuple(torch.randn(batch * per * BS, KV_HEADS, D, device="cuda",
+                                dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(layers)]
+    return caches, torch.randperm(batch * per, device="cuda").view(batch, per)
+
+
 def attention_call(context: int, batch: int = 1, layers: int = 32):
     """A decode step of `batch` requests, each after `context` positions, on `layers`
     layers' caches: run(splits, config)."""
-    bs, heads, kv_heads, d = 16, 32, 8, 128
-    per = -(-context // bs) + 1
-    dt = torch.bfloat16
-    caches = [(torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt),
-               torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt))
-              for _ in range(layers)]
-    q = torch.randn(batch, heads, d, device="cuda", dtype=dt)
-    tables = torch.randperm(batch * per, device="cuda").view(batch, per)
+    caches, tables = paged_caches(batch, -(-context // BS) + 1, layers)
+    q = torch.randn(batch, HEADS, D, device="cuda", dtype=torch.bfloat16)
     req = torch.arange(batch, device="cuda")
     pos = torch.full((batch,), context - 1, device="cuda")
 
     def run(splits: int, config: tuple[int, int, int] | None = None):
         # a split budget of one program per split: the splits as given
-        return [ta.paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs, splits=splits,
-                                   config=config, split_programs=splits * batch * kv_heads,
+        return [ta.paged_attention(q, kc, vc, tables, req, pos, D ** -0.5, BS, splits=splits,
+                                   config=config, split_programs=splits * batch * KV_HEADS,
                                    rows_per_request=1, pdl=pdl_supported(q.device))
                 for kc, vc in caches]
-    kv_bytes = batch * 2 * context * kv_heads * d * 2
+    kv_bytes = batch * 2 * context * KV_HEADS * D * 2
     return run, kv_bytes, layers
 
 
 def verify_call(batch: int, rows: int, context: int, layers: int = 32):
     """Attention of a verify step: `batch` requests of `rows` rows at positions context..,
     on `layers` layers' caches (8B shape, bf16, 16-slot blocks); run(pack_tile_rows)."""
-    bs, heads, kv_heads, d = 16, 32, 8, 128
-    per = -(-(context + rows) // bs)
-    dt = torch.bfloat16
-    caches = [(torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt),
-               torch.randn(batch * per * bs, kv_heads, d, device="cuda", dtype=dt))
-              for _ in range(layers)]
-    tables = torch.randperm(batch * per, device="cuda").view(batch, per)
-    q = torch.randn(batch * rows, heads, d, device="cuda", dtype=dt)
+    caches, tables = paged_caches(batch, -(-(context + rows) // BS), layers)
+    q = torch.randn(batch * rows, HEADS, D, device="cuda", dtype=torch.bfloat16)
     req = torch.arange(batch, device="cuda").repeat_interleave(rows)
     pos = (context + torch.arange(rows, device="cuda")).repeat(batch)
 
     def run(pack_tile_rows: int = ta.PACK_TILE_ROWS, split_programs: int | None = None):
-        return [ta.paged_attention(q, kc, vc, tables, req, pos, d ** -0.5, bs,
+        return [ta.paged_attention(q, kc, vc, tables, req, pos, D ** -0.5, BS,
                                    rows_per_request=rows, pack_tile_rows=pack_tile_rows,
                                    split_programs=split_programs,
                                    pdl=pdl_supported(q.device))
                 for kc, vc in caches]
-    kv_bytes = batch * 2 * (context + rows) * kv_heads * d * 2
+    kv_bytes = batch * 2 * (context + rows) * KV_HEADS * D * 2
     return run, kv_bytes, layers
 
 

@@ -436,9 +436,9 @@ def _attention_case(dtype, heads, kv_heads, head_dim, q_lens, starts, seed=0):
 @pytest.mark.parametrize("batch", ["mixed", "verify", "verify-wide", "verify-6"])
 @torch.inference_mode()
 def test_split_attention_matches_torch(dtype, heads, kv_heads, head_dim, window, batch):
-    """Decode-sized launches split each row's keys over 16 programs and merge them in the
-    last one: equal to the portable attention, from a few keys (most splits idle) to
-    1,200 (splits of two tiles), with and without a sliding window. 'verify': 4-row
+    """Decode-sized launches split each row's keys over up to 32 programs and merge them
+    in the last one: equal to the portable attention, from a few keys (most splits idle)
+    to 1,200 (19 float32 tiles of 64 keys), with and without a sliding window. 'verify': 4-row
     requests share programs (one read of each key tile); 'verify-wide': 20 rows, packed,
     split too (10 programs would leave SMs idle); 'verify-6': 24 rows, 6-row requests
     packed into a 16-row tile (2 query heads a kv head) and split 16 ways, or unpacked

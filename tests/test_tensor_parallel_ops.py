@@ -64,12 +64,15 @@ def _sharded_results(tp: TensorParallel, backend: str) -> dict[str, torch.Tensor
         return _results(ops, row, lm, norm, x[:, cols], residual, h)
 
 
-def _rank1(port: int, backend: str, queue):
+def _rank1(port: int, backend: str, queue, received):
     try:
         tp = TensorParallel.join(1, 2, port, torch.device("cpu"))
         queue.put(("ok", _sharded_results(tp, backend)))
     except BaseException:       # noqa: BLE001 - reported to the test
         queue.put(("error", traceback.format_exc()))
+    # the tensors travel as file descriptors this process serves: it stays until rank 0
+    # has them (exiting first resets rank 0's connection)
+    received.wait(120)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -78,8 +81,9 @@ def test_sharded_layers_equal_whole_layers(backend):
         want = _results(TORCH_OPS, *_layers())
     store = rendezvous_store(2)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_rank1, args=(store.port, backend, queue), daemon=True)
+    queue, received = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_rank1, args=(store.port, backend, queue, received),
+                       daemon=True)
     proc.start()
     try:
         tp = TensorParallel.join(0, 2, store, torch.device("cpu"))
@@ -87,6 +91,7 @@ def test_sharded_layers_equal_whole_layers(backend):
         kind, other = queue.get(timeout=120)
         assert kind == "ok", other
     finally:
+        received.set()
         proc.join(30)
         if proc.is_alive():
             proc.kill()

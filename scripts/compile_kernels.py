@@ -44,6 +44,8 @@ def compile_one(fn, types: dict, constexprs: dict, arch: int, num_warps: int,
 
 
 def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
+    import torch
+
     from onespec.kernels import attention as ta
     from onespec.kernels import gemv as gv
     from onespec.kernels import rope_kv as rk
@@ -131,10 +133,15 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", TREE_MASK="*i8", TREE_BASE="*i64",
-                scale="fp32")
+                ROW_PACKS="*i32", scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4, "TREE": False}
+    pre_n, pre_warps, pre_stages = ta.PREFILL_CONFIG
+    pre_rows = ta.prefill_pack_rows(4, 128, torch.bfloat16)
     yield ("attention bf16 prefill", ta._paged_attention_kernel, attn,
+           {**base, "ROWS": pre_rows, "GROUP_PAD": 4 * pre_rows, "BLOCK_N": pre_n,
+            "SPLITS": 1, "IEEE": False, "VARLEN": True}, (pre_warps, pre_stages))
+    yield ("attention bf16 rows without packs", ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False}, (8, 3))
     rows_n, rows_warps, rows_stages = ta.ROWS_CONFIG
 

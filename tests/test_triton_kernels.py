@@ -518,6 +518,52 @@ def test_pack_takes_the_largest_divisor_that_fits():
     assert ta._pack(5, 32, 16) == 1          # a group wider than the tile: one row
 
 
+def test_row_packs_cut_each_request_latest_first():
+    """Prefill packs: each request's consecutive rows in packs of up to `rows` (a request's
+    latest rows first, ragged ends kept), never across requests; none without a request
+    of more than MAX_SPLIT_ROWS rows (decode and verify steps keep their own launches)."""
+    assert ta.row_packs([40, 1, 4, 17], 16, "cpu").tolist() == [
+        [32, 8], [16, 16], [0, 16], [40, 1], [41, 4], [61, 1], [45, 16]]
+    assert ta.row_packs([16, 4, 1], 16, "cpu") is None
+    assert ta.row_packs([], 16, "cpu") is None
+    assert ta.prefill_pack_rows(4, 128, torch.bfloat16) == 32
+    assert ta.prefill_pack_rows(3, 32, torch.bfloat16) == 32
+    assert ta.prefill_pack_rows(4, 128, torch.float32) == 16
+    assert ta.prefill_pack_rows(8, 256, torch.bfloat16) == 8
+    assert ta.prefill_pack_rows(256, 128, torch.bfloat16) == 1
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,window", [
+    (torch.float32, 4, 2, 32, None), (torch.bfloat16, 4, 2, 32, 300),
+    (torch.float32, 6, 2, 24, 300), (torch.bfloat16, 6, 2, 24, None)])
+@torch.inference_mode()
+def test_prefill_row_packs_match_torch_and_unpacked(dtype, heads, kv_heads, head_dim, window):
+    """A step mixing prefill chunks (a new 70-row prompt, a 37-row chunk at positions
+    500.., whose packs end ragged) with a decode row and a 4-row verify: each program takes
+    a pack of one request's rows and reads each key tile once for them. Equal to the
+    portable attention, and to one program a row (bit-identical on the GPU in bfloat16,
+    where each row's dots add the same terms in the same order in any tile height)."""
+    q_lens, starts = [70, 1, 37, 4], [0, 600, 500, 333]
+    q, kc, vc, tables, positions, bs = _attention_case(dtype, heads, kv_heads, head_dim,
+                                                      q_lens, starts)
+    outs = []
+    for backend in ("torch", "triton"):
+        meta = build_attention_metadata(tables, q_lens, positions, bs,
+                                        int(positions.max()) + 1, window, backend)
+        outs.append(ops_for(backend).cached_attention(q, kc, vc, meta, head_dim ** -0.5))
+    rows = ta.prefill_pack_rows(heads // kv_heads, head_dim, dtype)
+    assert rows in (16, 32, 64)
+    assert meta.row_packs(rows).shape[0] == sum(-(-n // rows) for n in q_lens)
+    unpacked = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions,
+                                  head_dim ** -0.5, bs, window, config=ta.PREFILL_CONFIG
+                                  if ta._wide(head_dim, dtype) else (32, 4, 2))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
+    if DEV == "cuda" and dtype == torch.bfloat16:
+        assert torch.equal(outs[1], unpacked)
+    torch.testing.assert_close(outs[1].float(), unpacked.float(), atol=tol / 2, rtol=tol / 2)
+
+
 def _random_parents(batch: int, nodes: int, seed: int, padded: int = -1) -> torch.Tensor:
     """[batch, nodes] parents of random trees (node i + 1 under a row in 0 .. i); request
     `padded` gets the engine's padding tree (every node under the root)."""
@@ -764,7 +810,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 33
+    assert len(rows) == 34
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         # gdc_wait + launch_dependents (the MoE targets' kernels follow PyTorch operations)

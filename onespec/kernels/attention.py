@@ -21,6 +21,9 @@ Such launches of more rows split too when their programs would not fill the GPU 
 verify of 8 requests packs into 8 x 8 programs; at 16k keys each would walk all of them):
 into the largest power of two of splits, at most SPLITS, that keeps the programs within
 split_programs (default two per SM).
+Launches with a prefill chunk (a request of more than MAX_SPLIT_ROWS rows) cut each
+request's rows into packs (row_packs), one a program, which reads each key tile once for
+its pack.
 Tiles sit at multiples of BLOCK_N and rows without a visible key in a tile or split add
 exact zeros, so a row's result depends only on its own keys, never on the other rows of
 the batch or its pack.
@@ -56,6 +59,14 @@ ROWS_CONFIG = (128, 4, 2)
 # query heads of a Llama-3 kv group take one 32-row tile instead of six 16-row ones, each
 # reading every key again. Split launches pack only into the 16-row tile one row uses.
 PACK_TILE_ROWS = 32
+# prefill chunks (some request with more than MAX_SPLIT_ROWS rows): a request's consecutive
+# rows pack into tiles of this many (row, query head) rows, 32 rows of a Llama-3 kv group,
+# so each key tile is read once for all of them, not once a row (a 16k-token prompt of the
+# 8B shape: 763 ms to its first token on an H100 against 3,704 with a program a row).
+# 64-key tiles keep the [128, 64] logits and the [128, D] accumulator in registers at 8
+# warps (230 registers, no spills, on sm_90).
+PREFILL_TILE_ROWS = 128
+PREFILL_CONFIG = (64, 8, 3)
 PROGRAMS_PER_SM = 2          # launches of uniform rows split up to this many programs an SM
 # the last split's unrolled merge holds every split's partial rows in registers: splits x
 # merged rows stay within this. A decode row's 4 query heads of the 8B shape split 32 ways,
@@ -153,14 +164,15 @@ def _softmax_step(s, visible, v, scale, m, l, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
-        TREE_MASK, TREE_BASE,
+        TREE_MASK, TREE_BASE, ROW_PACKS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         stride_tm, scale, window, num_kv_heads, tree_width,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        MERGE_ROWS: tl.constexpr = 16, TREE: tl.constexpr = False):
+        MERGE_ROWS: tl.constexpr = 16, TREE: tl.constexpr = False,
+        VARLEN: tl.constexpr = False):
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
@@ -169,10 +181,17 @@ def _paged_attention_kernel(
     # one tile row per (row of the pack, query head of the kv head's group)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
-    g_ok = g < ROWS * GROUP
     d_ok = d < HEAD_DIM
-    row, head = _tile_rows(pack, kv_head, g, ROWS, GROUP)
-    req = tl.load(TOKEN_REQ + pack * ROWS)
+    if VARLEN:      # up to ROWS rows of one request from ROW_PACKS: (first row, count)
+        first = tl.load(ROW_PACKS + 2 * pack)
+        g_ok = g < tl.load(ROW_PACKS + 2 * pack + 1) * GROUP
+        row, head = _tile_rows(0, kv_head, g, 1, GROUP)
+        row += first
+    else:
+        first = pack * ROWS
+        g_ok = g < ROWS * GROUP
+        row, head = _tile_rows(pack, kv_head, g, ROWS, GROUP)
+    req = tl.load(TOKEN_REQ + first)
     pos = tl.load(POSITIONS + row, mask=g_ok, other=0)                  # [G]
     lo = tl.maximum(pos - window + 1, 0)
     pos_max = tl.max(pos, 0)
@@ -370,13 +389,40 @@ def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
     return min(splits, fit)
 
 
+def prefill_pack_rows(group: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Rows of a request one prefill program takes (see row_packs), for `group` query heads
+    a kv head: PREFILL_TILE_ROWS tile rows (half for float32 or heads wider than 128)."""
+    tile = PREFILL_TILE_ROWS if _wide(head_dim, dtype) else PREFILL_TILE_ROWS // 2
+    return max(tile // triton.next_power_of_2(group), 1)
+
+
+def row_packs(q_lens, rows: int, device) -> torch.Tensor | None:
+    """[P, 2] int32 (first row, row count) cutting each request's consecutive rows (q_lens,
+    in order) into packs of up to `rows`, a request's last pack (its latest positions, the
+    most keys) first so the longest programs start first; None where no request has more
+    than MAX_SPLIT_ROWS rows (decode and verify launches keep their own packing)."""
+    if not q_lens or max(q_lens) <= MAX_SPLIT_ROWS:
+        return None
+    packs, start = [], 0
+    for n in q_lens:
+        packs += [(s, min(rows, start + n - s)) for s in range(start, start + n, rows)][::-1]
+        start += n
+    return torch.tensor(packs, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _wide(head_dim: int, dtype: torch.dtype) -> bool:
+    """16-bit heads of up to 128: the wide tilings (float32 tiles need twice the smem)."""
+    return head_dim <= 128 and dtype.itemsize <= 2
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, scale: float,
                     block_size: int, window: int | None = None, *,
                     rows_per_request: int = 0, pdl: bool = False,
                     config: tuple[int, int, int] | None = None, splits: int = SPLITS,
                     pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None,
                     tree_mask: torch.Tensor | None = None,
-                    tree_base: torch.Tensor | None = None):
+                    tree_base: torch.Tensor | None = None,
+                    packs: torch.Tensor | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
@@ -396,7 +442,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     tree_mask [T, W] (bool or int8) with tree_base [T] (dynamic trees): row r sees a key
     at position j in tree_base[r] .. tree_base[r] + W - 1 only if tree_mask[r, j -
     tree_base[r]] is set (its ancestors in a tree block); keys outside that block keep the
-    causal (and window) rule. Without them the kernel has no tree code."""
+    causal (and window) rule. Without them the kernel has no tree code.
+
+    packs (prefill chunks, rows_per_request 0): row_packs(q_lens, prefill_pack_rows(...))
+    of the launch's rows; each program takes one pack, reading each key tile once for its
+    rows. A row's result does not depend on its pack (as above)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -413,19 +463,26 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     units = num_rows // split_pack * num_kv_heads
     splits = _num_splits(num_rows, rpr, units, splits, split_programs,
                          triton.next_power_of_2(split_pack * group))
+    varlen = packs is not None and splits == 1 and rpr == 0
     if config is None:
-        # prefill chunks: 256-key tiles (at 256..1024 positions 5.5..17 us per 8B-shape
-        # layer vs 8.6..32 with 64, swept on an H200)
-        wide = head_dim <= 128 and q.element_size() <= 2      # float32 tiles need 2x smem
+        # other rows of unknown count: 256-key tiles (swept on an H200 for prefill chunks
+        # before they packed: at 256..1024 positions 5.5..17 us per 8B-shape layer vs
+        # 8.6..32 with 64)
+        wide = _wide(head_dim, q.dtype)
         narrow = 64 if head_dim <= 128 else 32
-        if (splits > 1 and num_rows <= MAX_SPLIT_ROWS) or 0 < rpr <= MAX_SPLIT_ROWS:
+        if varlen:
+            config = PREFILL_CONFIG if wide else (32, 4, 2)
+        elif (splits > 1 and num_rows <= MAX_SPLIT_ROWS) or 0 < rpr <= MAX_SPLIT_ROWS:
             config = ROWS_CONFIG if wide else (narrow, 4, 2)
         else:
             config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
-    pack = split_pack if splits > 1 else _pack(rpr, group, max(group_pad, pack_tile_rows))
+    if varlen:
+        pack = prefill_pack_rows(group, head_dim, q.dtype)
+    else:
+        pack = split_pack if splits > 1 else _pack(rpr, group, max(group_pad, pack_tile_rows))
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
-    units = num_rows // pack * num_kv_heads
+    units = (packs.shape[0] if varlen else num_rows // pack) * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
         part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
                              device=q.device)
@@ -438,10 +495,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     if tree:
         tree_mask = tree_mask.to(torch.int8).contiguous()
         tree_base = tree_base.to(positions.dtype)
-    grid = (num_rows // pack, num_kv_heads, splits)
+    grid = (units // num_kv_heads, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         tree_mask if tree else out, tree_base if tree else positions,
+        packs if varlen else positions,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         tree_mask.stride(0) if tree else 0, scale, window or NO_WINDOW,
@@ -450,7 +508,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
-        MERGE_ROWS=triton.next_power_of_2(pack * group), TREE=tree, num_warps=warps,
+        MERGE_ROWS=triton.next_power_of_2(pack * group), TREE=tree, VARLEN=varlen,
+        num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))
     return out

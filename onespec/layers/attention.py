@@ -10,7 +10,7 @@ sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ class AttentionMetadata:
     # keys at tree_base[r] .. tree_base[r] + W - 1 only where tree_mask[r, key - base] is set
     tree_mask: torch.Tensor | None = None   # [T, W] int8 (1: the key is visible)
     tree_base: torch.Tensor | None = None   # [T]
+    q_lens: tuple[int, ...] | None = None   # rows per request, where built from a host list
+    packs: dict = field(default_factory=dict)   # triton: prefill row packs, by rows a pack
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -45,6 +47,16 @@ class AttentionMetadata:
             self.slots = (self.block_tables[self.token_req, self.positions // self.block_size]
                           * self.block_size + self.positions % self.block_size)
         return self.slots
+
+    def row_packs(self, rows: int) -> torch.Tensor | None:
+        """The Triton kernel's prefill packs of up to `rows` rows (kernels/attention.py
+        row_packs), built once a step; None without a host list of rows per request."""
+        if self.q_lens is None:
+            return None
+        if rows not in self.packs:
+            from onespec.kernels.attention import row_packs
+            self.packs[rows] = row_packs(self.q_lens, rows, self.positions.device)
+        return self.packs[rows]
 
 
 def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int,
@@ -66,7 +78,8 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
         idx = torch.arange(num_rows) - (torch.cumsum(lens, 0) - lens)[req]
         token_req, token_idx, max_q = req.to(device), idx.to(device), max(q_lens)
     meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window,
-                             rows_per_request=q_lens if isinstance(q_lens, int) else 0)
+                             rows_per_request=q_lens if isinstance(q_lens, int) else 0,
+                             q_lens=None if isinstance(q_lens, int) else tuple(q_lens))
     if backend == "triton":
         return meta
     if token_idx is None:

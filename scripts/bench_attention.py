@@ -18,6 +18,12 @@ and of at most PACK_TILE_ROWS (row, query head) rows; `equal` says whether the t
 give the same bits. With --split-programs N,...: instead, the default packing with each
 split budget (0: launches of more than 16 rows never split; "default": two programs an
 SM), e.g. `--verify 8:4 --contexts 4096,16384 --split-programs 0,default`.
+
+--prefill CHUNK: instead, one request's prefill chunk of CHUNK rows ending at `context`
+positions (a 16k prompt's last 2,048-row chunk: `--prefill 2048 --contexts 16384`), its
+rows in packs (the engine's launch); with --configs and --tile-rows 64,128 (tile rows a
+pack, PREFILL_TILE_ROWS) each combination is timed, with its attention TFLOP/s and its
+largest difference from the first.
 """
 from __future__ import annotations
 
@@ -123,6 +129,46 @@ def verify_splits(spec: str, context: int, budgets: list[int | None]):
                           "max_abs_diff": (out - first).abs().max().item()}), flush=True)
 
 
+def prefill_call(chunk: int, context: int, layers: int = 32):
+    """Attention of one request's prefill chunk of `chunk` rows at positions context -
+    chunk .. context - 1, on `layers` layers' caches: run(config, tile_rows), and the
+    chunk's attention FLOPs (QK and PV over each row's visible keys)."""
+    caches, tables = paged_caches(1, -(-context // BS), layers)
+    q = torch.randn(chunk, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    req = torch.zeros(chunk, dtype=torch.int64, device="cuda")
+    pos = torch.arange(context - chunk, context, device="cuda")
+
+    def run(config, tile_rows: int):
+        ta.PREFILL_TILE_ROWS = tile_rows      # read by prefill_pack_rows at each launch
+        packs = ta.row_packs([chunk], ta.prefill_pack_rows(HEADS // KV_HEADS, D, q.dtype),
+                             q.device)
+        return [ta.paged_attention(q, kc, vc, tables, req, pos, D ** -0.5, BS, config=config,
+                                   packs=packs, pdl=pdl_supported(q.device))
+                for kc, vc in caches]
+    flops = 4 * HEADS * D * sum(range(context - chunk + 1, context + 1))
+    return run, flops, layers
+
+
+def prefill_tilings(chunk: int, context: int, configs, tile_rows: list[int]):
+    run, flops, layers = prefill_call(chunk, context)
+    default_tile, first = ta.PREFILL_TILE_ROWS, None
+    for tile in tile_rows:
+        for config in configs:
+            name = "default" if config is None else ":".join(map(str, config))
+            row = {"prefill_rows": chunk, "context": context, "tile_rows": tile,
+                   "config": name}
+            try:
+                out = run(config, tile)[0].float()
+            except triton.runtime.errors.OutOfResources as e:
+                print(json.dumps({**row, "error": str(e)}), flush=True)
+                continue
+            first = out if first is None else first
+            us = graph_time_us(functools.partial(run, config, tile), layers)
+            print(json.dumps({**row, "us": round(us, 2), "tflops": round(flops / us / 1e6, 1),
+                              "max_abs_diff": (out - first).abs().max().item()}), flush=True)
+    ta.PREFILL_TILE_ROWS = default_tile
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--contexts", default="256,1024,4096,16384")
@@ -133,9 +179,20 @@ def main():
                    help="tilings BLOCK_N:WARPS:STAGES,... or default")
     p.add_argument("--split-programs", default=None,
                    help="with --verify: split budgets to compare, e.g. 0,default")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="rows of a prefill chunk (see the docstring)")
+    p.add_argument("--tile-rows", default=str(ta.PREFILL_TILE_ROWS),
+                   help="with --prefill: (row, query head) tile rows a pack, e.g. 64,128")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs CUDA")
+    configs = [None if c == "default" else tuple(int(x) for x in c.split(":"))
+               for c in args.configs.split(",")]
+    if args.prefill:
+        for context in (int(c) for c in args.contexts.split(",")):
+            prefill_tilings(args.prefill, context, configs,
+                            [int(t) for t in args.tile_rows.split(",")])
+        return
     if args.verify:
         for context in (int(c) for c in args.contexts.split(",")):
             for spec in args.verify.split(","):
@@ -145,8 +202,6 @@ def main():
                 else:
                     verify_rows(spec, context)
         return
-    configs = [None if c == "default" else tuple(int(x) for x in c.split(":"))
-               for c in args.configs.split(",")]
     for context in (int(c) for c in args.contexts.split(",")):
         run, kv_bytes, layers = attention_call(context, args.batch)
         first = None

@@ -138,10 +138,12 @@ def prefill_call(chunk: int, context: int, layers: int = 32):
     req = torch.zeros(chunk, dtype=torch.int64, device="cuda")
     pos = torch.arange(context - chunk, context, device="cuda")
 
+    @functools.cache
+    def packs(rows: int):     # built on the eager first call, reused by the graph's calls
+        return ta.row_packs([chunk], rows, q.device)
+
     def run(config, tile_rows: int):
         ta.PREFILL_TILE_ROWS = tile_rows      # read by prefill_pack_rows at each launch
-        packs = ta.row_packs([chunk], ta.prefill_pack_rows(HEADS // KV_HEADS, D, q.dtype),
-                             q.device)
         return [ta.paged_attention(q, kc, vc, tables, req, pos, D ** -0.5, BS, config=config,
                                    packs=packs, pdl=pdl_supported(q.device))
                 for kc, vc in caches]

@@ -36,6 +36,7 @@ and block tables, inputs of the step) are read before waiting for it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -185,8 +186,7 @@ def _paged_attention_kernel(
     if VARLEN:      # up to ROWS rows of one request from ROW_PACKS: (first row, count)
         first = tl.load(ROW_PACKS + 2 * pack)
         g_ok = g < tl.load(ROW_PACKS + 2 * pack + 1) * GROUP
-        row, head = _tile_rows(0, kv_head, g, 1, GROUP)
-        row += first
+        row, head = _tile_rows(first, kv_head, g, 1, GROUP)
     else:
         first = pack * ROWS
         g_ok = g < ROWS * GROUP
@@ -422,7 +422,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
                     pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None,
                     tree_mask: torch.Tensor | None = None,
                     tree_base: torch.Tensor | None = None,
-                    packs: torch.Tensor | None = None):
+                    packs: Callable[[int], torch.Tensor | None] | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
@@ -444,9 +444,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     tree_base[r]] is set (its ancestors in a tree block); keys outside that block keep the
     causal (and window) rule. Without them the kernel has no tree code.
 
-    packs (prefill chunks, rows_per_request 0): row_packs(q_lens, prefill_pack_rows(...))
-    of the launch's rows; each program takes one pack, reading each key tile once for its
-    rows. A row's result does not depend on its pack (as above)."""
+    packs (launches without splits or rows_per_request): packs(rows) gives the launch's
+    row_packs of up to `rows` rows (AttentionMetadata.row_packs), or None; each program
+    then takes one pack, reading each key tile once for its rows. A row's result does not
+    depend on its pack (as above)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -463,7 +464,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     units = num_rows // split_pack * num_kv_heads
     splits = _num_splits(num_rows, rpr, units, splits, split_programs,
                          triton.next_power_of_2(split_pack * group))
-    varlen = packs is not None and splits == 1 and rpr == 0
+    pack_rows = prefill_pack_rows(group, head_dim, q.dtype)
+    pack_table = packs(pack_rows) if packs is not None and splits == 1 and rpr == 0 else None
+    varlen = pack_table is not None
     if config is None:
         # other rows of unknown count: 256-key tiles (swept on an H200 for prefill chunks
         # before they packed: at 256..1024 positions 5.5..17 us per 8B-shape layer vs
@@ -478,11 +481,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
             config = (256, 8, 3) if wide else (narrow, 4, 3)
     block_n, warps, stages = config
     if varlen:
-        pack = prefill_pack_rows(group, head_dim, q.dtype)
+        pack = pack_rows
     else:
         pack = split_pack if splits > 1 else _pack(rpr, group, max(group_pad, pack_tile_rows))
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
-    units = (packs.shape[0] if varlen else num_rows // pack) * num_kv_heads
+    units = (pack_table.shape[0] if varlen else num_rows // pack) * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32
         part_o = torch.empty(units * splits * group_pad * dim_pad, dtype=torch.float32,
                              device=q.device)
@@ -499,7 +502,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         tree_mask if tree else out, tree_base if tree else positions,
-        packs if varlen else positions,
+        pack_table if varlen else positions,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         tree_mask.stride(0) if tree else 0, scale, window or NO_WINDOW,

@@ -123,13 +123,11 @@ class TritonOps(TorchOps):
     def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if meta.kv_slots is not None:      # metadata built for the PyTorch path
             return super().cached_attention(q, k_cache, v_cache, meta, scale)
-        rows = attention_kernels.prefill_pack_rows(q.shape[1] // k_cache.shape[1],
-                                                   q.shape[2], q.dtype)
         return attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
             meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base,
-            packs=meta.row_packs(rows))
+            packs=meta.row_packs)
 
     def routed_experts(self, experts, x, logits, router, bias=None, residual=None):
         if not self.rows(x):

@@ -179,12 +179,18 @@ def build_llm(args):
     spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree) if draft else \
         MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
         NGramConfig(max_draft_len=args.ngram) if args.ngram else None
-    return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
-               max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
-               enable_prefix_caching=args.enable_prefix_caching,
-               tensor_parallel_size=args.tensor_parallel_size,
-               attention_backend=args.attention_backend)
+    import torch
+    try:
+        return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
+                   max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
+                   max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
+                   enable_prefix_caching=args.enable_prefix_caching,
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   attention_backend=args.attention_backend)
+    except (MemoryError, torch.OutOfMemoryError) as e:   # past the checks made before
+        raise ValueError(f"out of memory while building the engine for {args.model!r} "
+                         f"({str(e).splitlines()[0]}); lower --max-batch-size, "
+                         "--max-model-len or --num-kv-blocks") from None
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -271,7 +277,7 @@ def generate_main(argv=None) -> int:
     check_engine_args(parser, args)
     try:
         cmd_generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"onespec generate: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -86,9 +86,11 @@ def _check_drafting_options(cfg):
                              f"or {AUTO_DRAFT_LEN!r}")
         sched = {}
         for bs, k in cfg.draft_len_schedule.items():
-            _check_int("draft_len_schedule key (batch size)", int(bs), 1)
+            if isinstance(bs, str) and bs.isdigit():      # JSON object keys are strings
+                bs = int(bs)
+            _check_int("draft_len_schedule key (batch size)", bs, 1)
             _check_int("draft_len_schedule value (draft length)", k, 0, cfg.max_draft_len)
-            sched[int(bs)] = k
+            sched[bs] = k
         cfg.draft_len_schedule = dict(sorted(sched.items()))
     if (cfg.acceptance_window is None) != (cfg.acceptance_length_threshold is None):
         raise ValueError("acceptance_window and acceptance_length_threshold go together")

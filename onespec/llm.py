@@ -23,8 +23,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts, salts = zip(*map(unpack_prompt, prompts)) if prompts else ((), ())
         params = sampling_params if isinstance(sampling_params, (list, tuple)) \
             else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -33,8 +34,8 @@ class LLM:
             self.engine.tokenize(p)
         reqs = []
         try:
-            for p, sp in zip(prompts, params):    # add_request may still reject (length)
-                reqs.append(self.engine.add_request(p, sp))
+            for p, sp, salt in zip(prompts, params, salts):  # add_request may still reject
+                reqs.append(self.engine.add_request(p, sp, cache_salt=salt))
             with tqdm(total=len(reqs), desc="generating",     # None: off a terminal, none
                       disable=None if use_tqdm else True) as bar:
                 while self.engine.has_unfinished():
@@ -70,3 +71,16 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def unpack_prompt(prompt) -> tuple:
+    """(text or token ids, cache_salt) of a prompt: a string, a list of token ids, or, as
+    vLLM takes them, {"prompt": text} or {"prompt_token_ids": ids} with an optional
+    "cache_salt" (the prefix-cache namespace of the request)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict holds exactly one of 'prompt' and 'prompt_token_ids', "
+                         f"and optionally 'cache_salt'; got keys {sorted(prompt)}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")

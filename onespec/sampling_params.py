@@ -80,6 +80,9 @@ class SamplingParams:
             if not (_is_int(t) and 0 <= t <= INT64_MAX):
                 raise ValueError(f"stop_token_ids must be integers >= 0 and < 2**63, "
                                  f"got {t!r}")
+        # what the scheduler tests each emitted token against (a list scan per token would
+        # let one request with a huge list slow every other)
+        self.stop_token_set = frozenset(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):

@@ -26,6 +26,7 @@ from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.loader import read_config
 from onespec.models.mtp import load_mtp_head
+from onespec.engine.memory import require_bytes
 from onespec.models.registry import (load_target, load_tokenizer, resolve_device, resolve_dtype,
                                      target_class)
 from onespec.sampling_params import SamplingParams
@@ -232,6 +233,8 @@ class Engine:
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
             if self.parallel:       # every rank holds the same blocks
                 num = self.parallel.min_int(num)
+        if cfg.num_kv_blocks is not None:
+            require_bytes(num * per_block, self.device, f"num_kv_blocks={num} (KV cache)")
         if num < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
                              f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
@@ -299,8 +302,14 @@ class Engine:
         return ids
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    compiled_grammar=None) -> Request:
+        """Queues one request. cache_salt: its prefix-cache namespace (only requests with
+        the same salt share cached blocks); compiled_grammar: the xgrammar grammar of its
+        structured_outputs when the caller compiled it already (the server does)."""
         sp = sampling_params or SamplingParams()
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         vocab = self.model.config.vocab_size
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
@@ -313,17 +322,22 @@ class Engine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        if sp.structured_outputs is not None and self.tree is not None:
-            raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
-                             "(tree drafts are not grammar-masked); use chain drafting")
-        req = Request(rid, ids, sp)
-        if sp.structured_outputs is not None and self.parallel:
-            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
+        if sp.structured_outputs is not None:
+            self.check_structured_outputs()
+        req = Request(rid, ids, sp, cache_salt=cache_salt)
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
-            req.grammar = self.grammars.matcher(sp.structured_outputs)
+            req.grammar = self.grammars.matcher(sp.structured_outputs, compiled_grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def check_structured_outputs(self):
+        """A ValueError if this engine cannot constrain outputs (asked before any compile)."""
+        if self.tree is not None:
+            raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
+                             "(tree drafts are not grammar-masked); use chain drafting")
+        if self.parallel:
+            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
 
     def abort(self, request_id: str):
         req = self.requests.pop(request_id, None)

@@ -6,6 +6,11 @@ token p + 1 (docs/DECODING.md, "draft loop"), so the block's last position depen
 next block's first token. Its hash chains the parent block's hash with the key
 (SHA-256), so equal tokens under different prefixes never share a hash.
 
+A request's `cache_salt` (vLLM's name) starts its chain: the first block's parent hash is
+the salt's, and its record keeps the salt, so requests with different salts never share a
+block, and the number of cached tokens reported to a client says nothing about prompts
+in another namespace.
+
 A hash is never trusted alone. A cached block's record keeps its key and its parent's
 record; a lookup walks a request's blocks from the first and accepts a record only if its
 key equals the request's and its parent is the record accepted one block before, so even a
@@ -42,6 +47,12 @@ class CachedBlock:
     hash: bytes
     key: tuple[int, ...]
     parent: CachedBlock | None
+    salt: str | None = None            # a first block's namespace (cache_salt)
+
+
+def salt_hash(salt: str | None) -> bytes | None:
+    """The parent hash of a salted request's first block (None: unsalted)."""
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
 class PrefixCache:
@@ -69,8 +80,16 @@ class PrefixCache:
         tokens: req.token_ids."""
         hashes = req.block_hashes
         for b in range(len(hashes), num_blocks):
-            hashes.append(self.hash_fn(hashes[b - 1] if b else None, self._key(tokens, b)))
+            parent = hashes[b - 1] if b else salt_hash(req.cache_salt)
+            hashes.append(self.hash_fn(parent, self._key(tokens, b)))
         return hashes[:num_blocks]
+
+    @staticmethod
+    def _is(rec: CachedBlock, parent: CachedBlock | None, key: tuple[int, ...],
+            req: Request) -> bool:
+        """Whether rec is the record of the block with this parent and key for req."""
+        return rec.parent is parent and rec.key == key and \
+            (parent is not None or rec.salt == req.cache_salt)
 
     # ---- lookup ------------------------------------------------------------------------
     def match(self, req: Request) -> list[CachedBlock]:
@@ -80,8 +99,8 @@ class PrefixCache:
         hits: list[CachedBlock] = []
         for b, h in enumerate(self._hashes(req, tokens, (len(tokens) - 1) // self.block_size)):
             rec = self.table.get(h)
-            if rec is None or rec.parent is not (hits[-1] if hits else None) or \
-                    rec.key != self._key(tokens, b):
+            if rec is None or not self._is(rec, hits[-1] if hits else None,
+                                           self._key(tokens, b), req):
                 break
             hits.append(rec)
         return hits
@@ -101,14 +120,15 @@ class PrefixCache:
             parent = chain[-1] if chain else None
             key = self._key(tokens, b)
             rec = self.table.get(h)
-            if rec is not None and rec.parent is parent and rec.key == key:
+            if rec is not None and self._is(rec, parent, key, req):
                 chain.append(rec)             # cached already (req's own block is a copy)
                 continue
             if rec is not None and self._reachable(rec):
                 return                        # a true hash collision: keep the first one
             # (a record under an evicted parent, which no lookup reaches, is replaced; its
             # block stays cached until evicted)
-            rec = CachedBlock(req.block_table[b], h, key, parent)
+            rec = CachedBlock(req.block_table[b], h, key, parent,
+                              req.cache_salt if parent is None else None)
             self.table[h] = self.records[rec.block_id] = rec
             chain.append(rec)
 

@@ -67,6 +67,7 @@ class Request:
     # records of the blocks this request computed or found cached, in order
     block_hashes: list[bytes] = field(default_factory=list)
     prefix_chain: list = field(default_factory=list)
+    cache_salt: str | None = None      # its prefix-cache namespace (None: the shared one)
 
     @property
     def token_ids(self) -> list[int]:

@@ -210,7 +210,7 @@ class Scheduler:
             req.metrics.num_generated_tokens += 1
             if req.grammar is not None and self._grammar_ends(req, t):
                 return i + 1
-            if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_ids:
+            if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_set:
                 self._finish(req, "stop")
                 return i + 1
             if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:

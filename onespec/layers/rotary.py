@@ -18,7 +18,34 @@ def rope_settings(cfg: dict) -> tuple[float, dict]:
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     merged["rope_type"] = kind
-    return float(theta), merged
+    return check_rope(theta, merged, getattr(cfg, "source", "config.json")), merged
+
+
+# rope fields that must be finite numbers (and `factor` a positive one) when present
+ROPE_NUMBER_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast",
+                      "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+
+
+def check_rope(theta, scaling: dict, source: str) -> float:
+    """theta as a float, after a ValueError naming the field for a theta or scaling value
+    that is not a (positive) finite number."""
+    def is_number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not (is_number(theta) and theta > 0):
+        raise ValueError(f"{source}: field 'rope_theta' must be a positive finite number, "
+                         f"got {theta!r}")
+    for name in ROPE_NUMBER_FIELDS:
+        v = scaling.get(name)
+        if v is not None and not (is_number(v) and (v > 0 or name != "factor")):
+            want = "a positive finite number" if name == "factor" else "a finite number"
+            raise ValueError(f"{source}: rope field {name!r} must be {want}, got {v!r}")
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is not None and not (isinstance(orig, int) and not isinstance(orig, bool)
+                                 and orig >= 1):
+        raise ValueError(f"{source}: rope field 'original_max_position_embeddings' must be "
+                         f"a positive integer, got {orig!r}")
+    return float(theta)
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

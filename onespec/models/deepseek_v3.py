@@ -31,8 +31,8 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import MLP
+from onespec.layers.rotary import RotaryEmbedding, check_rope
+from onespec.models.llama import MLP, check_field_types
 from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -44,6 +44,12 @@ LATENT_NORM_EPS = 1e-6      # q_a_layernorm / kv_a_layernorm (not config.rms_nor
 def _eos(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+# config.json sizes read as positive integers (bounded as the dense models' are)
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
 
 
 def _rope(cfg: dict) -> tuple[float, dict]:
@@ -59,7 +65,8 @@ def _rope(cfg: dict) -> tuple[float, dict]:
         orig = merged.get("original_max_position_embeddings") or max_pos
         merged["original_max_position_embeddings"] = orig
         merged["factor"] = merged.get("factor") or max_pos / orig
-    return float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0))), merged
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return check_rope(theta, merged, getattr(cfg, "source", "config.json")), merged
 
 
 @dataclass
@@ -102,6 +109,7 @@ class DeepseekV3Config:
         archs = cfg.get("architectures") or []
         if not any(a in ARCHITECTURES for a in archs):
             raise ValueError(f"not a DeepSeek-V3 config: architectures {archs!r}")
+        check_field_types(cfg, getattr(cfg, "source", "config.json"), INT_FIELDS)
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError(f"scoring_func {cfg['scoring_func']!r} is not supported "
                              "(DeepSeek-V3 routing is 'sigmoid')")

@@ -93,6 +93,12 @@ class DecoderConfig:
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "head_dim",
                        "max_position_embeddings", "sliding_window")
+# Upper bounds on sizes, far above any published model's: a value past one is a broken
+# config that would otherwise fail deep in an allocation.
+MAX_FIELD_VALUES = {"vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+                    "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12,
+                    "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+                    "max_position_embeddings": 1 << 26, "sliding_window": 1 << 26}
 POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window")
 
@@ -109,6 +115,9 @@ def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
     for name in int_fields:
         if cfg.get(name) is not None and not (is_int(cfg[name]) and cfg[name] >= 1):
             bad(name, "a positive integer")
+        high = MAX_FIELD_VALUES.get(name)
+        if high is not None and cfg.get(name) is not None and cfg[name] > high:
+            bad(name, f"an integer in [1, {high}]")
     for name in POSITIVE_NUMBER_FIELDS:
         v = cfg.get(name)
         if v is not None and not ((is_int(v) or isinstance(v, float)) and v > 0):
@@ -120,6 +129,7 @@ def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
     eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
     if not all(is_int(t) and t >= 0 for t in eos_list):
         bad("eos_token_id", "a token id or a list of token ids")
+
 
 
 class Attention(nn.Module):

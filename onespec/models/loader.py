@@ -21,6 +21,9 @@ PACKED_MODULES = {
     "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# checkpoint dtypes a floating-point parameter is loaded from (cast to the model's dtype);
+# anything else (int8, uint8, float8, packed 4-bit) is a quantized format onespec refuses
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # per-expert checkpoint keys -> stacked expert parameters (models/moe.py Experts)
 EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
@@ -211,6 +214,11 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"{what}: weight {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
+        if dest.is_floating_point() and tensor.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"{what}: weight {raw_name!r} is stored as "
+                             f"{str(tensor.dtype).removeprefix('torch.')}, which onespec does not "
+                             "load (quantized checkpoints are not supported yet); weights must "
+                             "be float32, bfloat16, float16 or float64")
         dest.copy_(tensor)
         loaded.add(name)
     if strict and unexpected:

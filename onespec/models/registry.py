@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from onespec.distributed.layers import shard_decoder, shard_weights
+from onespec.engine.memory import require_bytes
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
-from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.models.loader import (checked_file, init_dummy_weights, iter_weights, load_weights,
+                                   read_config)
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
@@ -42,9 +44,17 @@ def resolve_device(device: str) -> torch.device:
     """'auto' (CUDA if present, else CPU) or a torch device name, checked."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} "
+                         "CUDA devices")
     return dev
 
 
@@ -63,10 +73,18 @@ def load_target(path: str, device, dtype, dummy: bool = False,
     raw = read_config(path)
     cls = target_class(raw)
     cfg = cls.config_class.from_hf(raw)
+    bad_eos = [t for t in cfg.eos_token_ids if t >= cfg.vocab_size]
+    if bad_eos:
+        raise ValueError(f"{raw.source}: field 'eos_token_id' must hold token ids in "
+                         f"[0, vocab_size = {cfg.vocab_size}), got {bad_eos[0]}")
     with torch.device("meta"):
         model = cls(cfg, ops if cls.supports_triton else TORCH_OPS)
     if parallel is not None:
         shard_decoder(model, parallel)
+    num_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    require_bytes(num_bytes, torch.device(device), f"{raw.source}: loading the model's weights in "
+                  f"{str(dtype).removeprefix('torch.')} (hidden_size={cfg.hidden_size}, "
+                  f"num_hidden_layers={cfg.num_hidden_layers}, vocab_size={cfg.vocab_size})")
     model.to_empty(device=device if dummy else "cpu")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -92,10 +110,19 @@ def _fused(model, parallel):
     return model
 
 
+# files a Hugging Face tokenizer may read from its directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                   "spiece.model", "chat_template.jinja", "chat_template.json")
+
+
 def load_tokenizer(path: str):
-    """The Hugging Face tokenizer at `path`, or None when it has no tokenizer files."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+    """The Hugging Face tokenizer at `path`, or None when it has no tokenizer files. Every
+    tokenizer file must be a regular file inside `path` (as the weights must)."""
+    present = [n for n in TOKENIZER_FILES if os.path.lexists(os.path.join(path, n))]
+    for name in present:
+        checked_file(path, name, f"the tokenizer of {path!r}")
+    if not any(n in present for n in TOKENIZER_FILES[:4]):
         return None
     from transformers import AutoTokenizer     # slow to import; only when there is one
     tokenizer = AutoTokenizer.from_pretrained(path)

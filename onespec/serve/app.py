@@ -1,6 +1,8 @@
-"""The FastAPI app: routes, API-key check, engine-loop lifespan."""
+"""The FastAPI app: routes, API-key check, request bodies, engine-loop lifespan."""
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -11,48 +13,83 @@ from starlette.requests import ClientDisconnect
 
 from onespec.serve.async_engine import EngineLoop
 from onespec.serve.errors import APIError, ClientGone, install_error_handlers
+from onespec.serve.limits import ServerLimits
 from onespec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onespec.serve.serving import OpenAIServing
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# /health answers 503 while a request has been in admission (parsing, templating,
+# tokenizing, compiling its grammar) this long: admission is stuck
+ADMISSION_STUCK_S = 60.0
+DEEP_HEALTH_TIMEOUT_S = 5.0        # /health?deep=1: the round trips must answer within this
 
 
-def _api_key_check(api_key: str | None):
+def _api_key_check(api_keys: list[str], salt_per_key: bool):
     """A dependency answering 401 unless the request carries `Authorization: Bearer KEY`
-    (the scheme name in any case, as RFC 7235 says)."""
-    expected = (api_key or "").encode()
+    with one of api_keys (the scheme name in any case, as RFC 7235 says). It returns the
+    request's prefix-cache salt: a digest of its key when salt_per_key, else None."""
+    expected = [k.encode() for k in api_keys]
 
-    async def check(request: Request):
-        if api_key is None:
-            return
+    async def check(request: Request) -> str | None:
+        if not expected:
+            return None
         got = request.headers.get("authorization")
         if got is None:
             raise APIError("missing API key: send 'Authorization: Bearer <key>'", status=401,
                            code="invalid_api_key")
         scheme, _, token = got.strip().partition(" ")
-        if scheme.lower() != "bearer" or \
-                not secrets.compare_digest(token.strip().encode(), expected):
+        token = token.strip().encode()
+        # compare with every key, so the time taken does not say which one nearly matched
+        matches = [secrets.compare_digest(token, k) for k in expected]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError("incorrect API key", status=401, code="invalid_api_key")
+        return hashlib.sha256(b"onespec api key\0" + token).hexdigest()[:32] \
+            if salt_per_key else None
     return check
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 once it is known to pass `limit` bytes: from its
-    Content-Length before reading, else while reading (nothing more is buffered). A client
-    gone mid-upload raises ClientGone."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(f"{int(declared)} bytes", limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(f"more than {limit} bytes", limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return b"".join(chunks)
+class BodyReader:
+    """Reads request bodies within the limits: at most max_request_body_bytes each (413),
+    arriving within request_body_timeout seconds (408), and at most
+    max_inflight_body_bytes held by all bodies being read or admitted together (503)."""
+
+    def __init__(self, limits: ServerLimits):
+        self.limits = limits
+        self.inflight = 0
+
+    @asynccontextmanager
+    async def read(self, request: Request):
+        """Yields the body; its bytes count as in flight until the block exits."""
+        counted = [0]
+        try:
+            yield await asyncio.wait_for(self._read(request, counted),
+                                         self.limits.request_body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(f"the request body did not arrive within "
+                           f"{self.limits.request_body_timeout:g} s (--request-body-timeout)",
+                           status=408, code="request_timeout") from None
+        finally:
+            self.inflight -= counted[0]
+
+    async def _read(self, request: Request, counted: list[int]) -> bytes:
+        limit = self.limits.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(f"{int(declared)} bytes", limit)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"more than {limit} bytes", limit)
+                if self.inflight + len(chunk) > self.limits.max_inflight_body_bytes:
+                    raise APIError("the server is reading too many large requests at once; "
+                                   "try again", status=503, code="server_busy")
+                self.inflight += len(chunk)
+                counted[0] += len(chunk)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
 
 
 def _too_large(what: str, limit: int) -> APIError:
@@ -60,17 +97,21 @@ def _too_large(what: str, limit: int) -> APIError:
                     "(--max-request-body-bytes)", status=413, code="request_too_large")
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+def create_app(llm, served_model_name: str, api_key: str | list[str] | None = None,
+               max_request_body_bytes: int | None = None, limits: ServerLimits | None = None,
+               cache_salt_per_api_key: bool = True) -> FastAPI:
     """An OpenAI-compatible app over `llm` (an onespec.LLM). Its lifespan starts the engine
-    loop, so run it under an ASGI server (or `with TestClient(app)`). With an API key the
-    /docs, /redoc and /openapi.json pages are off."""
-    if not (isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1):
-        raise ValueError("max_request_body_bytes must be an integer >= 1, "
-                         f"got {max_request_body_bytes!r}")
+    loop, so run it under an ASGI server (or `with TestClient(app)`). With API keys the
+    /docs, /redoc and /openapi.json pages are off, and (cache_salt_per_api_key) each key
+    has its own prefix-cache namespace. max_request_body_bytes overrides limits' value."""
+    limits = limits or ServerLimits()
+    if max_request_body_bytes is not None:
+        limits = ServerLimits(**{**limits.__dict__,
+                                 "max_request_body_bytes": max_request_body_bytes})
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(llm.engine.max_draft_len)
-    serving = OpenAIServing(loop, served_model_name, metrics)
+    serving = OpenAIServing(loop, served_model_name, metrics, limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -79,59 +120,92 @@ def create_app(llm, served_model_name: str, api_key: str | None = None,
             yield
         finally:
             await loop.stop()
-            serving.executor.shutdown(wait=False)
+            serving.close()
 
-    docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    docs = {} if not api_keys else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="onespec", summary="OpenAI-compatible onespec server",
                   lifespan=lifespan, **docs)
     app.state.engine_loop, app.state.serving = loop, serving
     install_error_handlers(app)
-    _add_status_routes(app, loop, metrics)
-    _add_api_routes(app, serving, [Depends(_api_key_check(api_key))], max_request_body_bytes)
+    _add_status_routes(app, loop, serving, metrics)
+    _add_api_routes(app, serving, _api_key_check(api_keys, cache_salt_per_api_key),
+                    BodyReader(limits))
     return app
 
 
-def _add_status_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics):
-    """/health (JSON, KV pool and queue numbers) and /metrics (Prometheus); no API key."""
+def _add_status_routes(app: FastAPI, loop: EngineLoop, serving: OpenAIServing,
+                       metrics: ServerMetrics):
+    """/health (JSON, KV pool, queue and admission numbers) and /metrics (Prometheus);
+    no API key."""
 
     @app.get("/health")
-    async def health():
+    async def health(deep: bool = False):
         snap = loop.snapshot
-        body = {"status": "ok" if loop.is_running else "engine loop stopped",
+        oldest = serving.oldest_admission_s()
+        problems = [] if loop.is_running else ["engine loop stopped"]
+        if oldest > ADMISSION_STUCK_S:
+            problems.append(f"a request has been in admission for {oldest:.0f} s")
+        if deep and not problems:
+            problems += await _deep_problems(loop, serving)
+        pool = serving.compile_pool
+        body = {"status": "; ".join(problems) or "ok",
                 "kv_blocks_total": snap.num_blocks, "kv_blocks_free": snap.num_free_blocks,
                 "num_requests_waiting": snap.num_waiting,
-                "num_requests_running": snap.num_running}
-        return JSONResponse(body, status_code=200 if loop.is_running else 503)
+                "num_requests_running": snap.num_running,
+                "num_requests_admitting": serving.num_admitting,
+                "oldest_admission_s": round(oldest, 3),
+                "num_grammar_compiles_running": pool.num_running if pool else 0}
+        return JSONResponse(body, status_code=503 if problems else 200)
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(loop.snapshot), media_type=CONTENT_TYPE)
 
 
-def _add_api_routes(app: FastAPI, serving: OpenAIServing, auth: list, max_body: int):
+async def _deep_problems(loop: EngineLoop, serving: OpenAIServing) -> list[str]:
+    """Round trips through an admission thread and the engine loop, each within
+    DEEP_HEALTH_TIMEOUT_S."""
+    problems = []
+    for name, ping in (("admission threads", serving.ping_admission),
+                       ("engine loop", loop.ping)):
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(ping(), DEEP_HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            problems.append(f"the {name} did not answer within {DEEP_HEALTH_TIMEOUT_S:g} s")
+        except Exception as e:     # noqa: BLE001 - the loop is gone: say so, do not raise
+            problems.append(f"the {name} failed: {e} (after {time.monotonic() - start:.1f} s)")
+    return problems
+
+
+def _add_api_routes(app: FastAPI, serving: OpenAIServing, auth, bodies: BodyReader):
     engine = serving.loop.engine
     created = int(time.time())
+    auth_only = [Depends(auth)]
 
     def model_card() -> dict:
         return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "onespec", "max_model_len": engine.max_model_len,
                 "speculative_max_draft_len": engine.max_draft_len}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth_only)
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}", dependencies=auth_only)
     async def retrieve_model(model: str):
         serving.check_model(model)
         return model_card()
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: Request):
-        job, stream = await serving.prepare(await read_body(request, max_body), chat=False)
+    async def generate(request: Request, salt: str | None, chat: bool):
+        async with bodies.read(request) as body:
+            job, stream = await serving.prepare(body, chat, request, salt)
         return await serving.serve(job, request, stream)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(request: Request):
-        job, stream = await serving.prepare(await read_body(request, max_body), chat=True)
-        return await serving.serve(job, request, stream)
+    @app.post("/v1/completions")
+    async def completions(request: Request, salt: str | None = Depends(auth)):
+        return await generate(request, salt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, salt: str | None = Depends(auth)):
+        return await generate(request, salt, chat=True)

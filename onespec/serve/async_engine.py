@@ -90,19 +90,30 @@ class EngineLoop:
         return self._task is not None and not self._task.done()
 
     # ---- commands (called from request handlers) -----------------------------------------
-    async def add(self, prompt_token_ids: list[int], sp: SamplingParams,
-                  request_id: str) -> asyncio.Queue:
-        """Queues the request for the loop; raises ValueError if the engine rejects it."""
+    async def add(self, prompt_token_ids: list[int], sp: SamplingParams, request_id: str,
+                  cache_salt: str | None = None, compiled_grammar=None) -> asyncio.Queue:
+        """Queues the request for the loop; raises ValueError if the engine rejects it.
+        cache_salt and compiled_grammar: as Engine.add_request takes them."""
         if not self.is_running:
             raise EngineError("the engine loop is not running")
         fut = asyncio.get_running_loop().create_future()
-        self._commands.append(("add", (prompt_token_ids, sp, request_id), fut))
+        self._commands.append(("add", (prompt_token_ids, sp, request_id, cache_salt,
+                                       compiled_grammar), fut))
         self._wake.set()
         try:
             return await fut
         except asyncio.CancelledError:
             self.abort(request_id)         # it may have been added just before the cancel
             raise
+
+    async def ping(self):
+        """Returns once the loop has been between two steps (for /health?deep=1)."""
+        if not self.is_running:
+            raise EngineError("the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.append(("ping", None, fut))
+        self._wake.set()
+        await fut
 
     def abort(self, request_id: str):
         """Aborts the request before the next step, freeing its KV blocks."""
@@ -160,13 +171,18 @@ class EngineLoop:
             if kind == "abort":
                 self._streams.pop(arg, None)
                 self._abort(arg)
+            elif kind == "ping":
+                if not fut.done():
+                    fut.set_result(None)
             elif not fut.done():           # done: the caller went away before it was applied
                 self._add(fut, *arg)
         self._take_snapshot()
 
-    def _add(self, fut: asyncio.Future, prompt_token_ids, sp, request_id: str):
+    def _add(self, fut: asyncio.Future, prompt_token_ids, sp, request_id: str, cache_salt,
+             compiled_grammar):
         try:
-            req = self.engine.add_request(prompt_token_ids, sp, request_id)
+            req = self.engine.add_request(prompt_token_ids, sp, request_id, cache_salt,
+                                          compiled_grammar)
         except Exception as e:             # ValueError: bad request; the caller decides
             fut.set_exception(e)
             return
@@ -205,7 +221,7 @@ class EngineLoop:
         self._streams.clear()
         while self._commands:
             kind, arg, fut = self._commands.popleft()
-            if kind == "add" and not fut.done():
+            if kind != "abort" and not fut.done():
                 fut.set_exception(EngineError(message))
         self._take_snapshot()
 

@@ -5,6 +5,9 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import fields
+
+from onespec.serve.limits import HELP, ServerLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,10 +20,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the model dir's basename)")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* routes")
-    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                   help="answer 413 to a request body larger than this (8 MiB)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* routes; repeat the "
+                        "flag to accept several keys")
+    p.add_argument("--no-cache-salt-per-api-key", dest="cache_salt_per_api_key",
+                   action="store_false",
+                   help="let requests with different API keys share cached prefixes (by "
+                        "default each key has its own prefix-cache namespace, so one "
+                        "client cannot learn from cached_tokens what another sent)")
+    for f in fields(ServerLimits):
+        default = f.default
+        p.add_argument("--" + f.name.replace("_", "-"), default=default,
+                       type=int if f.type == "int" else float,
+                       help=HELP[f.name])
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template for /v1/chat/completions, a file or the template "
                         "itself (default: the tokenizer's own)")
@@ -69,9 +81,10 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
         return 2
-    if args.max_request_body_bytes < 1:
-        print("onespec serve: error: --max-request-body-bytes must be >= 1, got "
-              f"{args.max_request_body_bytes}", file=sys.stderr)
+    try:
+        limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+    except ValueError as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
     import uvicorn                  # a missing server module: one line from onespec.cli
 
@@ -90,7 +103,7 @@ def main(argv=None) -> int:
         return 2
     configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
-                     args.max_request_body_bytes)
+                     limits=limits, cache_salt_per_api_key=args.cache_salt_per_api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     access_log=not args.no_access_log, timeout_graceful_shutdown=5)

@@ -12,12 +12,14 @@ logger = logging.getLogger("onespec.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+               408: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error", 503: "server_error"}
 STATUS_CLIENT_CLOSED = 499                  # nginx's code: nobody reads it
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its request was read."""
+    """The client closed the connection before its request was admitted; the argument
+    says when (default: while its body was read)."""
 
 UNION_FIELD_MESSAGES = {
     "prompt": "prompt must be a string or a list of token ids (ints)",
@@ -69,9 +71,10 @@ def install_error_handlers(app: FastAPI):
         return exc.response()
 
     @app.exception_handler(ClientGone)
-    async def _client_gone(request: Request, _: ClientGone):
+    async def _client_gone(request: Request, exc: ClientGone):
         client = request.client
-        logger.info("client disconnected before its request was read (%s %s from %s)",
+        when = exc.args[0] if exc.args else "before its request was read"
+        logger.info("client disconnected %s (%s %s from %s)", when,
                     request.method, request.url.path,
                     f"{client.host}:{client.port}" if client else "?")
         return Response(status_code=STATUS_CLIENT_CLOSED)

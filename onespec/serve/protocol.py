@@ -18,6 +18,7 @@ from onespec.serve.errors import APIError, validation_error
 
 MAX_STOP_STRINGS = 64          # stop strings per request
 MAX_STOP_STRING_CHARS = 1024   # characters per stop string
+MAX_CACHE_SALT_CHARS = 1024
 
 # Fields whose union types give unreadable pydantic errors get a plain sentence instead.
 class _Strict(BaseModel):
@@ -88,6 +89,7 @@ class _GenerationRequest(_Strict):
     # extensions (vLLM names)
     top_k: int | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = None       # prefix-cache namespace: only equal salts share
     return_token_ids: bool = False
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them per request)
@@ -154,6 +156,9 @@ class _GenerationRequest(_Strict):
         return self.max_tokens, "max_tokens"
 
     def check_unsupported(self):
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise APIError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                           f"characters, got {len(self.cache_salt)}", param="cache_salt")
         if self.n is not None and self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
         if self.n is not None and self.n > 1:

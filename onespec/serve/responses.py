@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from onespec.engine.request import RequestMetrics
 from onespec.sampling_params import SamplingParams
@@ -32,6 +33,8 @@ class Job:
     return_token_ids: bool = False
     include_usage: bool = False
     request_id: str = ""
+    cache_salt: str | None = None              # its prefix-cache namespace
+    compiled_grammar: Any = None               # xgrammar's grammar of its structured output
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

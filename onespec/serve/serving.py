@@ -9,8 +9,11 @@ watcher; either way the engine-loop generator's `finally` aborts and frees KV bl
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing, suppress
+from contextlib import aclosing, contextmanager, suppress
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -18,11 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from onespec.serve.async_engine import EngineError, EngineLoop
 from onespec.serve.detokenize import IncrementalDetokenizer
-from onespec.serve.errors import STATUS_CLIENT_CLOSED, APIError
+from onespec.serve.errors import STATUS_CLIENT_CLOSED, APIError, ClientGone
+from onespec.serve.limits import ServerLimits
 from onespec.serve.metrics import ServerMetrics
 from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, sse
-from onespec.structured.backend import GrammarError
+from onespec.structured.compile_pool import (CompileBusy, CompileTimeout,
+                                             GrammarCompilePool)
+from onespec.structured.params import StructuredOutputsParams, spec_size
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 # A text longer than max_model_len * (longest token in characters) * this has more tokens
@@ -33,6 +39,8 @@ CHARS_PER_TOKEN_SLACK = 4
 # rejected without tokenizing the rest.
 PROBE_CHARS_PER_TOKEN = 8
 PROBE_MARGIN_TOKENS = 64
+# one compiled grammar may take at most this share of the grammar cache's bytes
+MAX_GRAMMAR_CACHE_SHARE = 4
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -57,37 +65,122 @@ async def wait_for_disconnect(request: Request):
         pass
 
 
+async def _first_or_disconnect(work: asyncio.Future, request: Request) -> bool:
+    """Waits for work unless the client goes away first (then work is cancelled); returns
+    whether work finished."""
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watcher, work):
+            if not task.done():
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+    return not work.cancelled()
+
+
 class OpenAIServing:
-    def __init__(self, loop: EngineLoop, served_model_name: str, metrics: ServerMetrics):
+    """Turns request bodies into engine requests and engine updates into responses.
+
+    Admission runs in three places, so that no request holds up any other: the event loop
+    only reads bodies (bounded in bytes and time, app.py); parsing, chat templates and
+    tokenizing run on `admission_threads` threads, after cheap checks on the raw JSON
+    (counts of messages and stop ids) have refused what is too big; grammar compiles run
+    in worker processes with a time limit, killed when their client goes away
+    (structured/compile_pool.py)."""
+
+    def __init__(self, loop: EngineLoop, served_model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None):
         self.loop = loop
         engine = loop.engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.config.vocab_size
-        self.grammars = engine.grammars     # thread-safe: compiles on the tokenizer thread
+        self.limits = limits or ServerLimits()
+        self.grammars = engine.grammars     # thread-safe: its cache is read on any thread
+        self.grammars.cache_bytes = self.limits.grammar_cache_bytes
+        self.compile_pool: GrammarCompilePool | None = None     # started on first use
         self.metrics = metrics
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
-        # parsing bodies, chat templates, tokenizing and compiling grammars run here, off the
-        # event loop (the engine then finds each compiled grammar in the cache); one
-        # thread, so two encodes never overlap (transformers may reset a fast tokenizer's
-        # truncation settings before encoding, which another encode must not see)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onespec-tokenize")
+        self.executor = ThreadPoolExecutor(max_workers=self.limits.admission_threads,
+                                           thread_name_prefix="onespec-admit")
+        # transformers may reset a fast tokenizer's truncation settings before encoding,
+        # which another encode must not see: one encode at a time
+        self._encode_lock = threading.Lock()
+        self._admitting: dict[int, float] = {}      # admission jobs under way: start times
 
-    async def prepare(self, body: bytes, chat: bool) -> tuple[Job, bool]:
-        """Parses a request body and builds its job (with the prompt's token ids) on the
-        tokenizer thread, so that a big prompt never holds up the event loop. Returns the
-        job and whether the client asked for a stream."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._prepare, body, chat)
+    def close(self):
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.compile_pool is not None:
+            self.compile_pool.close()
 
-    def _prepare(self, body: bytes, chat: bool) -> tuple[Job, bool]:
+    @property
+    def num_admitting(self) -> int:
+        return len(self._admitting)
+
+    def oldest_admission_s(self) -> float:
+        """How long the oldest request still in admission has been there (0: none)."""
+        starts = list(self._admitting.values())
+        return time.monotonic() - min(starts) if starts else 0.0
+
+    @contextmanager
+    def _admission(self):
+        token = object()
+        self._admitting[id(token)] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._admitting[id(token)]
+
+    async def ping_admission(self) -> None:
+        """Returns once an admission thread has run a no-op (for /health?deep=1)."""
+        await asyncio.get_running_loop().run_in_executor(self.executor, lambda: None)
+
+    async def prepare(self, body: bytes, chat: bool, request: Request,
+                      salt: str | None = None) -> tuple[Job, bool]:
+        """Parses a request body and builds its job (the prompt's token ids, its compiled
+        grammar) off the event loop. Returns the job and whether the client asked for a
+        stream. salt: the prefix-cache namespace of the request's API key, if any."""
+        with self._admission():
+            job, stream, structured, field = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._prepare, body, chat)
+            if structured is not None:
+                job.compiled_grammar = await self._compile(structured, field, request)
+        if salt is not None:
+            job.cache_salt = salt if job.cache_salt is None else f"{salt}:{job.cache_salt}"
+        return job, stream
+
+    def _prepare(self, body: bytes, chat: bool):
+        self._precheck(body, chat)
         if chat:
             req = parse_body(ChatCompletionRequest, body)
-            return self.chat_job(req), req.stream
-        req = parse_body(CompletionRequest, body)
-        return self.completion_job(req), req.stream
+            job, structured, field = self.chat_job(req)
+        else:
+            req = parse_body(CompletionRequest, body)
+            job, structured, field = self.completion_job(req)
+        return job, req.stream, structured, field
+
+    def _precheck(self, body: bytes, chat: bool):
+        """Refuses, from the raw JSON, what is too big to parse into objects and template:
+        a chat with too many messages, too many stop_token_ids."""
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return                      # parse_body names the problem
+        if not isinstance(data, dict):
+            return
+        checks = [("stop_token_ids", self.limits.max_stop_token_ids)]
+        if chat:
+            checks.append(("messages", self.limits.max_chat_messages))
+        for name, limit in checks:
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > limit:
+                flag = "--max-chat-messages" if name == "messages" else "--max-stop-token-ids"
+                raise APIError(f"{name} may hold at most {limit} entries on this server "
+                               f"({flag}), got {len(value)}", param=name)
 
     # ---- requests -> jobs ----------------------------------------------------------------
     def check_model(self, name: str):
@@ -96,7 +189,7 @@ class OpenAIServing:
                            f"'{self.model_name}'", status=404, param="model",
                            code="model_not_found")
 
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, req: CompletionRequest):
         self.check_model(req.model)
         if isinstance(req.prompt, str):
             ids = self._encode(req.prompt, "prompt", self._tokenizer("text prompts", "prompt"))
@@ -108,7 +201,7 @@ class OpenAIServing:
         self._check_prompt_length(ids, "prompt")
         return self._job(COMPLETION, req, ids, DEFAULT_COMPLETION_MAX_TOKENS)
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest):
         self.check_model(req.model)
         tok = self._tokenizer("chat completions", "messages")
         if not getattr(tok, "chat_template", None):
@@ -137,11 +230,13 @@ class OpenAIServing:
         tokenizing all of it (_check_chars, then a tokenized prefix)."""
         self._check_chars(len(text), param)
         probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
-        if len(text) > probe:
-            num = len(tok.encode(text[:probe], add_special_tokens=False))
-            if num >= self.max_model_len + PROBE_MARGIN_TOKENS:
-                raise self._too_long(f"more than {num - PROBE_MARGIN_TOKENS} tokens", param)
-        return tok.encode(text, add_special_tokens=add_special_tokens)
+        with self._encode_lock:
+            if len(text) > probe:
+                num = len(tok.encode(text[:probe], add_special_tokens=False))
+                if num >= self.max_model_len + PROBE_MARGIN_TOKENS:
+                    raise self._too_long(f"more than {num - PROBE_MARGIN_TOKENS} tokens",
+                                         param)
+            return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_chars(self, num_chars: int, param: str):
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
@@ -159,28 +254,73 @@ class OpenAIServing:
         if len(ids) >= self.max_model_len:
             raise self._too_long(f"{len(ids)} tokens", param)
 
-    def _job(self, kind: str, req, ids: list[int], default_max_tokens: int) -> Job:
+    def _job(self, kind: str, req, ids: list[int], default_max_tokens: int):
+        """(the Job, its structured-output spec or None, the field that gave the spec)."""
         stop = req.stop_strings()
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         structured, field = req.structured()
         sp = req.sampling_params(default_max_tokens, structured)
         if structured is not None:
-            self._compile(structured, field)
+            self._check_spec(structured, field)
         detok = IncrementalDetokenizer(self._decode, stop)
-        return Job(kind, self.model_name, ids, sp, detok, return_token_ids=req.return_token_ids,
-                   include_usage=req.include_usage())
+        job = Job(kind, self.model_name, ids, sp, detok, return_token_ids=req.return_token_ids,
+                  include_usage=req.include_usage(), cache_salt=req.cache_salt)
+        return job, structured, field
 
-    def _compile(self, structured, field: str):
-        """Compiles the request's grammar here, so the engine finds it in the cache."""
+    def _check_spec(self, structured: StructuredOutputsParams, field: str):
+        """Refuses, before any compile, a spec this server would not run or that is too big."""
         param = field.split(".")[0]
         try:
-            self.grammars.compile(structured)
-        except GrammarError as e:
-            name = f"{field}.{e.kind}" if field == "structured_outputs" else field
-            raise APIError(f"{name} is invalid: {e.detail}", param=param) from None
-        except (ValueError, ImportError) as e:   # no tokenizer, or xgrammar not installed
+            self.loop.engine.check_structured_outputs()
+            self.grammars.xgr             # xgrammar installed, a tokenizer to compile for
+        except (ValueError, ImportError) as e:
             raise APIError(str(e), param=param) from None
+        chars, alternatives = spec_size(structured)
+        if chars > self.limits.max_grammar_chars:
+            raise APIError(f"{field} has {chars} characters; this server compiles specs of at "
+                           f"most {self.limits.max_grammar_chars} (--max-grammar-chars)",
+                           param=param)
+        if alternatives > self.limits.max_grammar_alternatives:
+            raise APIError(f"{field} has {alternatives} enum values or choices; this server "
+                           f"compiles specs with at most {self.limits.max_grammar_alternatives} "
+                           "(--max-grammar-alternatives)", param=param)
+
+    async def _compile(self, structured: StructuredOutputsParams, field: str,
+                       request: Request):
+        """The request's compiled grammar: from the cache, or compiled in a worker process
+        raced against the time limit and the client's disconnect."""
+        compiled = self.grammars.cached(structured)
+        if compiled is not None:
+            return compiled
+        if self.compile_pool is None:
+            info = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.grammars.tokenizer_info_json)
+            if self.compile_pool is None:
+                self.compile_pool = GrammarCompilePool(
+                    info, self.limits.grammar_compile_workers,
+                    self.limits.grammar_compile_timeout,
+                    self.limits.grammar_cache_bytes // MAX_GRAMMAR_CACHE_SHARE)
+        kind, text = structured.key()
+        param = field.split(".")[0]
+        name = f"{field}.{kind}" if field == "structured_outputs" else field
+        work = asyncio.ensure_future(self.compile_pool.compile(kind, text))
+        if not await _first_or_disconnect(work, request):
+            raise ClientGone("while its grammar compiled")
+        try:
+            status, payload = work.result()
+        except CompileTimeout:
+            raise APIError(f"{name} did not compile within {self.limits.grammar_compile_timeout:g}"
+                           " s (--grammar-compile-timeout); simplify the spec", param=param,
+                           code="grammar_too_complex") from None
+        except CompileBusy:
+            raise APIError("every grammar compile worker stayed busy for "
+                           f"{self.limits.grammar_compile_timeout:g} s; try again", status=503,
+                           code="server_busy") from None
+        if status != "ok":
+            raise APIError(f"{name} is invalid: {payload}", param=param)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.grammars.add_serialized, structured, payload)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -191,7 +331,8 @@ class OpenAIServing:
     async def serve(self, job: Job, request: Request, stream: bool) -> Response:
         try:
             queue = await self.loop.add(job.prompt_token_ids, job.sampling_params,
-                                        job.request_id)
+                                        job.request_id, cache_salt=job.cache_salt,
+                                        compiled_grammar=job.compiled_grammar)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=field if field == "stop_token_ids" else None) from None
@@ -227,16 +368,7 @@ class OpenAIServing:
                     pass
 
         work = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (watcher, work):
-                if not task.done():
-                    task.cancel()
-                    with suppress(asyncio.CancelledError):
-                        await task
-        if work.cancelled():
+        if not await _first_or_disconnect(work, request):
             return Response(status_code=STATUS_CLIENT_CLOSED)
         if isinstance(work.exception(), EngineError):
             raise APIError(str(work.exception()), status=500)

@@ -2,21 +2,18 @@
 and each request gets its own GrammarMatcher, which walks the tokens it emits."""
 from __future__ import annotations
 
-import json
-import re
 import threading
 from collections import OrderedDict
 
+from onespec.structured.compile_worker import (EMPTY_LANGUAGE, check_satisfiable,
+                                               compile_spec, compiler_message)
 from onespec.structured.params import StructuredOutputsParams
 
-CACHE_SIZE = 256               # compiled grammars kept (least recently used dropped)
+DEFAULT_CACHE_BYTES = 256 << 20  # compiled grammars kept (least recently used dropped)
 FILL_THREADS = 4               # threads filling a large batch's bitmasks
 # fewer matchers than this fill on the calling thread: waking the pool costs more than the
 # fills (about 10 us each for a JSON schema, against 0.1-0.4 ms for a pool round trip)
 THREADED_FILL_ROWS = 32
-COMPACT = (",", ":")           # JSON separators: no whitespace between tokens
-# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "
-_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
 class GrammarError(ValueError):
@@ -36,23 +33,22 @@ def import_xgrammar():
     return xgrammar
 
 
-def compiler_message(error: Exception) -> str:
-    """The compiler's own words, without its source location and stack."""
-    text = str(error).strip().split("\nStack trace")[0]
-    return _LOCATION.sub("", text).strip()
-
-
 class GrammarBackend:
     """Compiles StructuredOutputsParams for one tokenizer; thread-safe (the server compiles
     on its tokenizer thread while the engine thread creates matchers)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.cache_bytes = cache_bytes
         self._xgr = None
+        self._info = None
         self._compiler = None
         self._fillers = None           # xgrammar BatchGrammarMatcher: one thread, a pool
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        # spec key -> (compiled grammar, its size in bytes), least recently used first
+        self._cache: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def _setup(self):
@@ -65,6 +61,7 @@ class GrammarBackend:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None)
+                self._info = info
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
                 self._fillers = (xgr.BatchGrammarMatcher(max_threads=1),
                                  xgr.BatchGrammarMatcher(max_threads=FILL_THREADS))
@@ -80,43 +77,60 @@ class GrammarBackend:
         filler = self._fillers[len(matchers) >= THREADED_FILL_ROWS]
         filler.batch_fill_next_token_bitmask(matchers, bitmask, indices=indices)
 
+    def tokenizer_info_json(self) -> str:
+        """The vocabulary as xgrammar serializes it (what a compile worker starts from)."""
+        self._setup()
+        return self._info.serialize_json()
+
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of params; a spec the compiler rejects raises ValueError
-        with the compiler's message, naming the field."""
+        """The compiled grammar of params; a spec the compiler rejects, or one that admits
+        no output, raises GrammarError naming the field."""
+        compiled = self.cached(params)
+        if compiled is not None:
+            return compiled
+        key = params.key()
+        try:
+            compiled = compile_spec(self._compiler, *key)
+        except Exception as e:      # the compiler raises RuntimeError (and its kin)
+            raise GrammarError(key[0], compiler_message(e)) from None
+        if not check_satisfiable(self._xgr, compiled, self.stop_token_ids):
+            raise GrammarError(key[0], EMPTY_LANGUAGE)
+        return self._store(key, compiled)
+
+    def cached(self, params: StructuredOutputsParams):
+        """The compiled grammar of params if it is in the cache, else None."""
         self._setup()
         key = params.key()
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        try:
-            compiled = self._compile(key)
-        except Exception as e:      # the compiler raises RuntimeError (and its kin)
-            raise GrammarError(key[0], compiler_message(e)) from None
+            if key not in self._cache:
+                return None
+            self._cache.move_to_end(key)
+            return self._cache[key][0]
+
+    def add_serialized(self, params: StructuredOutputsParams, grammar_json: str):
+        """Caches and returns a grammar a compile worker built for params."""
+        compiled = self.xgr.CompiledGrammar.deserialize_json(grammar_json, self._info)
+        return self._store(params.key(), compiled)
+
+    def _store(self, key: tuple[str, str], compiled):
+        size = compiled.memory_size_bytes
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key in self._cache:
+                self._cached_bytes -= self._cache.pop(key)[1]
+            self._cache[key] = (compiled, size)
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                self._cached_bytes -= self._cache.popitem(last=False)[1][1]
         return compiled
 
-    def _compile(self, key: tuple[str, str]):
-        kind, text = key
-        c = self._compiler
-        if kind == "json":
-            return c.compile_json_schema(text, any_whitespace=False, separators=COMPACT)
-        if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                         separators=COMPACT)
-        if kind == "regex":
-            return c.compile_regex(text)
-        if kind == "choice":       # JSON string literals are EBNF string literals
-            return c.compile_grammar("root ::= " + " | ".join(
-                json.dumps(s, ensure_ascii=False) for s in json.loads(text)))
-        return c.compile_grammar(text)
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
-    def matcher(self, params: StructuredOutputsParams):
+    def matcher(self, params: StructuredOutputsParams, compiled=None):
         """A fresh GrammarMatcher for one request (ends at one of the stop tokens, or, for
-        a model without any, as soon as the grammar is complete)."""
-        compiled = self.compile(params)
+        a model without any, as soon as the grammar is complete); `compiled`: its grammar
+        when the caller has it already (the server compiles before the engine sees it)."""
+        compiled = compiled if compiled is not None else self.compile(params)
         return self.xgr.GrammarMatcher(compiled,
                                        terminate_without_stop_token=not self.stop_token_ids)

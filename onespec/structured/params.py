@@ -77,4 +77,38 @@ def _schema(value) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs.json must be a JSON schema object (a dict or its "
                          f"JSON text), got {type(value).__name__}")
+    for ref in _refs(value):
+        if not ref.startswith("#"):     # the compiler would leave it unconstrained
+            raise ValueError(f"structured_outputs.json has \"$ref\": {ref[:200]!r}, which "
+                             "points outside the schema; only references into it (\"#/...\") "
+                             "are supported, and nothing is fetched")
     return value
+
+
+def _walk(node):
+    """Every dict and list inside a JSON value, iteratively (schemas can nest deeply)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        yield node
+        children = node.values() if isinstance(node, dict) else node \
+            if isinstance(node, list) else ()
+        stack.extend(c for c in children if isinstance(c, (dict, list)))
+
+
+def _refs(schema: dict):
+    for node in _walk(schema):
+        if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+
+
+def spec_size(params: StructuredOutputsParams) -> tuple[int, int]:
+    """(characters of the spec's canonical text, enumerated alternatives: `enum` entries of
+    a schema, or choices): what admission limits, as they drive compile time and memory."""
+    kind, text = params.key()
+    if kind == "json":
+        alternatives = sum(len(n["enum"]) for n in _walk(params.json)
+                           if isinstance(n, dict) and isinstance(n.get("enum"), list))
+    else:
+        alternatives = len(params.choice) if kind == "choice" else 0
+    return len(text), alternatives

@@ -47,10 +47,16 @@ def _api_key_check(api_keys: list[str], salt_per_key: bool):
     return check
 
 
+# the first bytes of every body are not counted against max_inflight_body_bytes, so small
+# requests are never refused for the big ones in flight
+UNCOUNTED_BODY_BYTES = 64 << 10
+
+
 class BodyReader:
     """Reads request bodies within the limits: at most max_request_body_bytes each (413),
     arriving within request_body_timeout seconds (408), and at most
-    max_inflight_body_bytes held by all bodies being read or admitted together (503)."""
+    max_inflight_body_bytes held by all bodies being read or admitted together, past the
+    first UNCOUNTED_BODY_BYTES of each (503)."""
 
     def __init__(self, limits: ServerLimits):
         self.limits = limits
@@ -81,11 +87,12 @@ class BodyReader:
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(f"more than {limit} bytes", limit)
-                if self.inflight + len(chunk) > self.limits.max_inflight_body_bytes:
+                more = max(0, size - UNCOUNTED_BODY_BYTES) - counted[0]
+                if self.inflight + more > self.limits.max_inflight_body_bytes:
                     raise APIError("the server is reading too many large requests at once; "
                                    "try again", status=503, code="server_busy")
-                self.inflight += len(chunk)
-                counted[0] += len(chunk)
+                self.inflight += more
+                counted[0] += more
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone() from None

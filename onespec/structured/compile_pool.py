@@ -12,10 +12,12 @@ the caller deserializes against its own TokenizerInfo (GrammarBackend.add_serial
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,20 +46,21 @@ class CompileCancelled(Exception):
 class _Worker:
     """One compile process and the parent's end of its pipe."""
 
-    def __init__(self, tokenizer_info_json: str):
-        self.info = tokenizer_info_json
+    def __init__(self, info_file: str):
+        self.info_file = info_file
         self.proc: subprocess.Popen | None = None
         self.conn = None
         self.ready = False
 
     def start(self):
+        """Starts the process; it reads the vocabulary from info_file and then says it is
+        ready (nothing here waits for that)."""
         parent, child = Pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, compile_worker.__file__, str(child.fileno())],
+            [sys.executable, compile_worker.__file__, str(child.fileno()), self.info_file],
             pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         child.close()
-        parent.send(self.info)
         self.conn, self.ready = parent, False
 
     def kill(self):
@@ -110,7 +113,11 @@ class GrammarCompilePool:
         if not timeout_s > 0:
             raise ValueError(f"the grammar compile timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s, self.max_grammar_bytes = timeout_s, max_grammar_bytes
-        self._idle = [_Worker(tokenizer_info_json) for _ in range(num_workers)]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="onespec-vocab-",
+                                         delete=False) as f:
+            f.write(tokenizer_info_json)
+        self._info_file = f.name
+        self._idle = [_Worker(f.name) for _ in range(num_workers)]
         self._slots = asyncio.Semaphore(num_workers)
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="onespec-grammar")
         self.num_running = 0               # compiles under way now (for /health)
@@ -160,3 +167,5 @@ class GrammarCompilePool:
         for worker in self._idle:
             worker.kill()
         self._threads.shutdown(wait=False)
+        with contextlib.suppress(OSError):
+            os.unlink(self._info_file)

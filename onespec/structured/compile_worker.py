@@ -1,10 +1,10 @@
 """Compiling one grammar spec with xgrammar, in-process or in a worker process.
 
 `compile_spec` and `check_satisfiable` are what GrammarBackend calls in the engine's
-process. Run as a script (`python compile_worker.py FD`), this file is a compile worker
-for the server's GrammarCompilePool (structured/compile_pool.py): it reads a serialized
-TokenizerInfo, then answers compile jobs over the multiprocessing Connection on file
-descriptor FD until it reads None or is killed. A worker imports nothing from onespec, so
+process. Run as a script (`python compile_worker.py FD VOCAB_FILE`), this file is a
+compile worker for the server's GrammarCompilePool (structured/compile_pool.py): it reads
+the TokenizerInfo serialized in VOCAB_FILE, then answers compile jobs over the
+multiprocessing Connection on file descriptor FD until it reads None or is killed. A worker imports nothing from onespec, so
 it starts with xgrammar's import alone, and killing it ends a compile that ran too long
 (xgrammar cannot be interrupted inside a compile) and returns all the memory it took.
 
@@ -14,6 +14,7 @@ Messages: job (kind, text, max_bytes) -> ("ok", compiled grammar as xgrammar's J
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -21,6 +22,8 @@ COMPACT = (",", ":")           # JSON separators: no whitespace between tokens
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 EMPTY_LANGUAGE = "it admits no output at all (no first token is allowed)"
+# a worker yields the processor to decoding: a long compile must not slow other streams
+COMPILE_NICENESS = 10
 
 
 def compiler_message(error: Exception) -> str:
@@ -55,9 +58,11 @@ def check_satisfiable(xgr, compiled, stop_token_ids: list[int]) -> bool:
     return bool(bitmask.any())
 
 
-def serve(conn) -> None:
+def serve(conn, info_file: str) -> None:
+    os.nice(COMPILE_NICENESS)
     import xgrammar as xgr
-    info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    with open(info_file, encoding="utf-8") as f:
+        info = xgr.TokenizerInfo.deserialize_json(f.read())
     stop_token_ids = list(info.stop_token_ids)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(("ready", ""))
@@ -84,6 +89,6 @@ if __name__ == "__main__":
     sys.path.pop(0)                     # this file's folder is no package root
     from multiprocessing.connection import Connection
     try:
-        serve(Connection(int(sys.argv[1])))
+        serve(Connection(int(sys.argv[1])), sys.argv[2])
     except (EOFError, KeyboardInterrupt, OSError):
         pass                            # the server went away: nothing left to do

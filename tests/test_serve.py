@@ -366,6 +366,11 @@ def _completion(**over):
     return {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, **over}
 
 
+def _chat(**over):
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, **over}
+
+
 BAD_REQUESTS = [
     ("invalid json", "/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None),
     ("not an object", "/v1/completions", [1, 2], 400, None),
@@ -387,8 +392,20 @@ BAD_REQUESTS = [
     ("temperature < 0", "/v1/completions", _completion(temperature=-0.5), 400, "temperature"),
     ("top_p 0", "/v1/completions", _completion(top_p=0.0), 400, "top_p"),
     ("top_p > 1", "/v1/completions", _completion(top_p=1.5), 400, "top_p"),
-    ("n 2", "/v1/completions", _completion(n=2), 400, "n"),
+    ("n 129", "/v1/completions", _completion(n=129), 400, "n"),
     ("n 0", "/v1/completions", _completion(n=0), 400, "n"),
+    ("best_of > n", "/v1/completions", _completion(n=2, best_of=3), 400, "best_of"),
+    ("logit_bias", "/v1/completions", _completion(logit_bias={"5": -100}), 400, "logit_bias"),
+    ("presence_penalty", "/v1/completions", _completion(presence_penalty=0.5), 400,
+     "presence_penalty"),
+    ("frequency_penalty", "/v1/chat/completions", _chat(frequency_penalty=1.0), 400,
+     "frequency_penalty"),
+    ("min_tokens", "/v1/completions", _completion(min_tokens=3), 400, "min_tokens"),
+    ("suffix", "/v1/completions", _completion(suffix="}"), 400, "suffix"),
+    ("empty prompt list", "/v1/completions", _completion(prompt=[]), 400, "prompt"),
+    ("129 choices", "/v1/completions", _completion(prompt=["a"] * 65, n=2), 400, "prompt"),
+    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]), 400, "tools"),
     ("prompt too long (ids)", "/v1/completions", _completion(prompt=[5] * 300), 400, "prompt"),
     ("prompt too long (text)", "/v1/completions", _completion(prompt="zq" * 400), 400,
      "prompt"),
@@ -410,8 +427,8 @@ def test_bad_input_answers_error_and_server_keeps_serving(server, name, path, bo
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    if name == "n 2":
-        assert err["message"] == "n > 1 is not supported"
+    if name == "n 129":
+        assert err["message"] == "n must be an integer in [1, 128], got 129"
     ok = server.post("/v1/completions", json=_completion(max_tokens=1))
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
 

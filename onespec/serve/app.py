@@ -206,8 +206,18 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing, auth, bodies: BodyRead
 
     async def generate(request: Request, salt: str | None, chat: bool):
         async with bodies.read(request) as body:
-            job, stream = await serving.prepare(body, chat, request, salt)
-        return await serving.serve(job, request, stream)
+            reply, stream = await serving.prepare(body, chat, request, salt)
+        return await serving.serve(reply, request, stream)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, _: str | None = Depends(auth)):
+        async with bodies.read(request) as body:
+            return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, _: str | None = Depends(auth)):
+        async with bodies.read(request) as body:
+            return await serving.detokenize(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request, salt: str | None = Depends(auth)):

@@ -22,7 +22,8 @@ class ClientGone(Exception):
     says when (default: while its body was read)."""
 
 UNION_FIELD_MESSAGES = {
-    "prompt": "prompt must be a string or a list of token ids (ints)",
+    "prompt": "prompt must be a string, a list of token ids (ints), or a list of strings or "
+              "of token-id lists",
     "stop": "stop must be a string or a list of strings",
     "messages": "messages must be a list of {role, content} objects with string content "
                 "(or a list of text parts)",

@@ -19,6 +19,7 @@ from onespec.serve.errors import APIError, validation_error
 MAX_STOP_STRINGS = 64          # stop strings per request
 MAX_STOP_STRING_CHARS = 1024   # characters per stop string
 MAX_CACHE_SALT_CHARS = 1024
+MAX_CHOICES = 128              # choices per request: prompts x n
 
 # Fields whose union types give unreadable pydantic errors get a plain sentence instead.
 class _Strict(BaseModel):
@@ -27,6 +28,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # usage on every chunk (vLLM's field)
 
 
 class TextPart(_Strict):
@@ -78,6 +80,7 @@ class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -86,6 +89,14 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    best_of: int | None = None
+    # fields that change the output and that this server does not implement yet: refused
+    # unless neutral (a server that ignored them would answer something else than asked)
+    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     # extensions (vLLM names)
     top_k: int | None = None
     ignore_eos: bool = False
@@ -151,18 +162,38 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage() and self.stream_options.continuous_usage_stats)
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The requested output length and the field that gave it."""
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
 
     def check_unsupported(self):
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise APIError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
                            f"characters, got {len(self.cache_salt)}", param="cache_salt")
-        if self.n is not None and self.n < 1:
-            raise APIError(f"n must be >= 1, got {self.n}", param="n")
-        if self.n is not None and self.n > 1:
-            raise APIError("n > 1 is not supported", param="n")
+        if not 1 <= self.num_samples <= MAX_CHOICES:
+            raise APIError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}",
+                           param="n")
+        if self.best_of is not None and self.best_of != self.num_samples:
+            raise APIError(f"best_of must equal n ({self.num_samples}) on this server: "
+                           "ranking more samples needs their log-probabilities, which it does "
+                           f"not compute yet; got {self.best_of}", param="best_of")
+        neutral = {"logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0, "min_tokens": 0}
+        for name, value in neutral.items():
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise APIError(f"{name} is not supported by this server yet (only "
+                               f"{value!r}, which changes nothing); leave it out",
+                               param=name)
 
     def sampling_params(self, default_max_tokens: int,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -187,9 +218,16 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or token-id list, or a list of them."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
     def check_unsupported(self):
         super().check_unsupported()
@@ -197,12 +235,22 @@ class CompletionRequest(_GenerationRequest):
             raise APIError("echo is not supported", param="echo")
         if self.logprobs is not None:
             raise APIError("logprobs are not supported", param="logprobs")
+        if self.suffix:
+            raise APIError("suffix needs a fill-in-the-middle model, which this server does "
+                           "not serve", param="suffix")
+        prompts = self.prompts()
+        if not prompts:
+            raise APIError("prompt must not be an empty list", param="prompt")
+        if len(prompts) * self.num_samples > MAX_CHOICES:
+            raise APIError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x "
+                           f"n), got {len(prompts)} x {self.num_samples}", param="prompt")
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     logprobs: bool = False
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     def check_unsupported(self):
         super().check_unsupported()
@@ -210,11 +258,13 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError("logprobs are not supported", param="logprobs")
         if not self.messages:
             raise APIError("messages must be a non-empty list", param="messages")
-
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
+        if self.tools:
+            raise APIError("tools are not supported by this server yet; describe the "
+                           "functions in a message and use response_format for JSON",
+                           param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise APIError("tool_choice needs tools, which this server does not support yet",
+                           param="tool_choice")
 
 
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:
@@ -226,3 +276,24 @@ def parse_body(model: type[_Strict], body: bytes) -> _Strict:
     req.check_unsupported()
     return req
 
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check_unsupported(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+    model: str | None = None
+    tokens: list[int]
+
+    def check_unsupported(self):
+        pass

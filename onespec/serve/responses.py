@@ -1,8 +1,12 @@
 """OpenAI response and stream-chunk bodies for completions and chat completions.
 
+One HTTP request is a `Reply` of one or more `Job`s: a job is one choice, decoded by one
+engine request (several prompts on /v1/completions, and `n` samples of each, give several,
+indexed prompt-major as OpenAI indexes them: prompt p, sample s -> index p * n + s).
+
 Besides the OpenAI fields, every final body carries the request's speculative-decoding
-numbers under "onespec", and with `return_token_ids` (a vLLM extension) the choice carries
-"token_ids" and the body "prompt_token_ids".
+numbers under "onespec" (summed over its choices), and with `return_token_ids` (a vLLM
+extension) each choice carries "token_ids" and the body "prompt_token_ids".
 """
 from __future__ import annotations
 
@@ -20,65 +24,90 @@ COMPLETION, CHAT = "completion", "chat"
 OBJECT_NAMES = {COMPLETION: ("text_completion", "text_completion"),
                 CHAT: ("chat.completion", "chat.completion.chunk")}
 ID_PREFIXES = {COMPLETION: "cmpl-", CHAT: "chatcmpl-"}
+SPEC_FIELDS = ("target_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+               "num_sa_draft_tokens", "num_sa_accepted_draft_tokens")
 
 
 @dataclass
 class Job:
-    """One HTTP generation request and what it has produced so far."""
-    kind: str                                  # COMPLETION or CHAT
-    model: str
+    """One choice: its prompt, its engine request, and what it has produced so far."""
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     detok: IncrementalDetokenizer
-    return_token_ids: bool = False
-    include_usage: bool = False
-    request_id: str = ""
+    index: int = 0                             # the choice's index in the reply
+    counts_prompt: bool = True                 # its prompt's tokens count in usage
+    request_id: str = ""                       # the engine request's id (set by the Reply)
     cache_salt: str | None = None              # its prefix-cache namespace
     compiled_grammar: Any = None               # xgrammar's grammar of its structured output
-    created: int = field(default_factory=lambda: int(time.time()))
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
+class Reply:
+    """One HTTP generation request: its choices and the bodies that answer it."""
+    kind: str                                  # COMPLETION or CHAT
+    model: str
+    jobs: list[Job]
+    return_token_ids: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False             # usage on every chunk of a stream
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         if not self.request_id:
             self.request_id = ID_PREFIXES[self.kind] + uuid.uuid4().hex
+        for job in self.jobs:
+            job.request_id = f"{self.request_id}-{job.index}"
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.jobs[0].prompt_token_ids
 
     def head(self, stream: bool) -> dict:
         return {"id": self.request_id, "object": OBJECT_NAMES[self.kind][int(stream)],
                 "created": self.created, "model": self.model, "system_fingerprint": None}
 
     def usage(self) -> dict:
-        num_prompt, num_out = len(self.prompt_token_ids), len(self.detok.token_ids)
+        """Prompt tokens once per prompt (not per sample), output tokens of every choice."""
+        prompting = [j for j in self.jobs if j.counts_prompt]
+        num_prompt = sum(len(j.prompt_token_ids) for j in prompting)
+        num_out = sum(len(j.detok.token_ids) for j in self.jobs)
+        cached = sum(j.metrics.num_cached_tokens or 0 for j in prompting)
         return {"prompt_tokens": num_prompt, "completion_tokens": num_out,
                 "total_tokens": num_prompt + num_out,
-                "prompt_tokens_details": {"cached_tokens": self.metrics.num_cached_tokens or 0}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def spec_metrics(self) -> dict:
-        m = self.metrics
-        return {"target_steps": m.target_steps, "num_draft_tokens": m.num_draft_tokens,
-                "num_accepted_draft_tokens": m.num_accepted_draft_tokens,
-                "num_sa_draft_tokens": m.num_sa_draft_tokens,
-                "num_sa_accepted_draft_tokens": m.num_sa_accepted_draft_tokens,
-                "acceptance_length": m.acceptance_length}
+        totals = {name: sum(getattr(j.metrics, name) for j in self.jobs)
+                  for name in SPEC_FIELDS}
+        generated = sum(j.metrics.num_generated_tokens for j in self.jobs)
+        steps = totals["target_steps"]
+        return {**totals, "acceptance_length": generated / steps if steps else 0.0}
 
     # ---- whole responses -----------------------------------------------------------------
-    def response(self) -> dict:
-        choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+    def choice(self, job: Job) -> dict:
+        choice = {"index": job.index, "finish_reason": job.finish_reason, "logprobs": None}
         if self.kind == CHAT:
-            choice["message"] = {"role": "assistant", "content": self.detok.text}
+            choice["message"] = {"role": "assistant", "content": job.detok.text}
         else:
-            choice["text"] = self.detok.text
-        body = {**self.head(stream=False), "choices": [choice], "usage": self.usage(),
-                "onespec": self.spec_metrics()}
+            choice["text"] = job.detok.text
         if self.return_token_ids:
-            choice["token_ids"] = list(self.detok.token_ids)
+            choice["token_ids"] = list(job.detok.token_ids)
+        return choice
+
+    def response(self) -> dict:
+        body = {**self.head(stream=False), "choices": [self.choice(j) for j in self.jobs],
+                "usage": self.usage(), "onespec": self.spec_metrics()}
+        if self.return_token_ids:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
         return body
 
     # ---- stream chunks (each one SSE event) ------------------------------------------------
-    def chunk(self, text: str, token_ids: list[int] | None = None,
+    def chunk(self, job: Job, text: str, token_ids: list[int] | None = None,
               finish_reason: str | None = None, role: bool = False) -> str:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": job.index, "finish_reason": finish_reason, "logprobs": None}
         if self.kind == CHAT:
             delta = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish_reason is None else {})
@@ -89,7 +118,7 @@ class Job:
             choice["token_ids"] = list(token_ids)
         body = {**self.head(stream=True), "choices": [choice]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.continuous_usage else None
         if finish_reason is not None:
             body["onespec"] = self.spec_metrics()
         return sse(body)

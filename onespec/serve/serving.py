@@ -9,6 +9,7 @@ watcher; either way the engine-loop generator's `finally` aborts and frees KV bl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -24,8 +25,10 @@ from onespec.serve.detokenize import IncrementalDetokenizer
 from onespec.serve.errors import STATUS_CLIENT_CLOSED, APIError, ClientGone
 from onespec.serve.limits import ServerLimits
 from onespec.serve.metrics import ServerMetrics
-from onespec.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, sse
+from onespec.serve.protocol import (ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, TokenizeRequest, parse_body)
+from onespec.sampling_params import SamplingParams
+from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, Reply, sse
 from onespec.structured.compile_pool import (CompileBusy, CompileTimeout,
                                              GrammarCompilePool)
 from onespec.structured.params import StructuredOutputsParams, spec_size
@@ -140,28 +143,32 @@ class OpenAIServing:
         await asyncio.get_running_loop().run_in_executor(self.executor, lambda: None)
 
     async def prepare(self, body: bytes, chat: bool, request: Request,
-                      salt: str | None = None) -> tuple[Job, bool]:
-        """Parses a request body and builds its job (the prompt's token ids, its compiled
-        grammar) off the event loop. Returns the job and whether the client asked for a
-        stream. salt: the prefix-cache namespace of the request's API key, if any."""
+                      salt: str | None = None) -> tuple[Reply, bool]:
+        """Parses a request body and builds its reply's jobs (the prompts' token ids, the
+        compiled grammar) off the event loop. Returns the reply and whether the client asked
+        for a stream. salt: the prefix-cache namespace of the request's API key, if any."""
         with self._admission():
-            job, stream, structured, field = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._prepare, body, chat)
+            reply, stream, structured, field = \
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._prepare, body, chat)
             if structured is not None:
-                job.compiled_grammar = await self._compile(structured, field, request)
+                compiled = await self._compile(structured, field, request)
+                for job in reply.jobs:
+                    job.compiled_grammar = compiled
         if salt is not None:
-            job.cache_salt = salt if job.cache_salt is None else f"{salt}:{job.cache_salt}"
-        return job, stream
+            for job in reply.jobs:
+                job.cache_salt = salt if job.cache_salt is None else f"{salt}:{job.cache_salt}"
+        return reply, stream
 
     def _prepare(self, body: bytes, chat: bool):
         self._precheck(body, chat)
         if chat:
             req = parse_body(ChatCompletionRequest, body)
-            job, structured, field = self.chat_job(req)
+            reply, structured, field = self.chat_reply(req)
         else:
             req = parse_body(CompletionRequest, body)
-            job, structured, field = self.completion_job(req)
-        return job, req.stream, structured, field
+            reply, structured, field = self.completion_reply(req)
+        return reply, req.stream, structured, field
 
     def _precheck(self, body: bytes, chat: bool):
         """Refuses, from the raw JSON, what is too big to parse into objects and template:
@@ -189,35 +196,43 @@ class OpenAIServing:
                            f"'{self.model_name}'", status=404, param="model",
                            code="model_not_found")
 
-    def completion_job(self, req: CompletionRequest):
+    def completion_reply(self, req: CompletionRequest):
         self.check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = self._encode(req.prompt, "prompt", self._tokenizer("text prompts", "prompt"))
-        else:
-            ids = list(req.prompt)
-            if not all(0 <= t < self.vocab_size for t in ids):
-                raise APIError(f"prompt token ids must be in [0, {self.vocab_size})",
-                               param="prompt")
-        self._check_prompt_length(ids, "prompt")
-        return self._job(COMPLETION, req, ids, DEFAULT_COMPLETION_MAX_TOKENS)
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                ids = self._encode(prompt, "prompt", self._tokenizer("text prompts", "prompt"))
+            else:
+                ids = list(prompt)
+                if not all(0 <= t < self.vocab_size for t in ids):
+                    raise APIError(f"prompt token ids must be in [0, {self.vocab_size})",
+                                   param="prompt")
+            self._check_prompt_length(ids, "prompt")
+            prompts.append(ids)
+        return self._reply(COMPLETION, req, prompts, DEFAULT_COMPLETION_MAX_TOKENS)
 
-    def chat_job(self, req: ChatCompletionRequest):
+    def chat_reply(self, req: ChatCompletionRequest):
         self.check_model(req.model)
+        text = self._render_chat(req.messages, add_generation_prompt=True)
+        ids = self._encode(text, "messages", self.tokenizer, add_special_tokens=False)
+        self._check_prompt_length(ids, "messages")
+        return self._reply(CHAT, req, [ids], self.max_model_len - len(ids))
+
+    def _render_chat(self, messages: list, add_generation_prompt: bool) -> str:
+        """The messages as the chat template renders them (checked for length first)."""
         tok = self._tokenizer("chat completions", "messages")
         if not getattr(tok, "chat_template", None):
             raise APIError(f"the model '{self.model_name}' has no chat template; use "
                            "/v1/completions", param="messages")
-        self._check_chars(sum(len(m.as_template_dict()["content"]) for m in req.messages),
+        self._check_chars(sum(len(m.as_template_dict()["content"]) for m in messages),
                           "messages")
         try:
-            text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                           add_generation_prompt=True, tokenize=False)
+            return tok.apply_chat_template([m.as_template_dict() for m in messages],
+                                           add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
         except Exception as e:      # jinja2 errors: the template rejected the messages
             raise APIError(f"the chat template failed on these messages: {e}",
                            param="messages") from None
-        ids = self._encode(text, "messages", tok, add_special_tokens=False)
-        self._check_prompt_length(ids, "messages")
-        return self._job(CHAT, req, ids, self.max_model_len - len(ids))
 
     def _tokenizer(self, what: str, param: str):
         if self.tokenizer is None:
@@ -254,8 +269,10 @@ class OpenAIServing:
         if len(ids) >= self.max_model_len:
             raise self._too_long(f"{len(ids)} tokens", param)
 
-    def _job(self, kind: str, req, ids: list[int], default_max_tokens: int):
-        """(the Job, its structured-output spec or None, the field that gave the spec)."""
+    def _reply(self, kind: str, req, prompts: list[list[int]], default_max_tokens: int):
+        """(the Reply: n jobs per prompt, its structured-output spec or None, the field that
+        gave the spec). Sample s of a seeded request uses seed + s (wrapped to int64), so
+        n = 1 decodes exactly as before and every sample is reproducible."""
         stop = req.stop_strings()
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
@@ -263,10 +280,14 @@ class OpenAIServing:
         sp = req.sampling_params(default_max_tokens, structured)
         if structured is not None:
             self._check_spec(structured, field)
-        detok = IncrementalDetokenizer(self._decode, stop)
-        job = Job(kind, self.model_name, ids, sp, detok, return_token_ids=req.return_token_ids,
-                  include_usage=req.include_usage(), cache_salt=req.cache_salt)
-        return job, structured, field
+        n = req.num_samples
+        jobs = [Job(ids, sample_params(sp, s), IncrementalDetokenizer(self._decode, stop),
+                    index=p * n + s, counts_prompt=s == 0, cache_salt=req.cache_salt)
+                for p, ids in enumerate(prompts) for s in range(n)]
+        reply = Reply(kind, self.model_name, jobs, return_token_ids=req.return_token_ids,
+                      include_usage=req.include_usage(),
+                      continuous_usage=req.continuous_usage())
+        return reply, structured, field
 
     def _check_spec(self, structured: StructuredOutputsParams, field: str):
         """Refuses, before any compile, a spec this server would not run or that is too big."""
@@ -327,68 +348,178 @@ class OpenAIServing:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    # ---- /tokenize and /detokenize ----------------------------------------------------------
+    async def tokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self.executor,
+                                                                self._tokenize, body)
+
+    def _tokenize(self, body: bytes) -> dict:
+        req = parse_body(TokenizeRequest, body)
+        if req.model is not None:
+            self.check_model(req.model)
+        if req.prompt is not None:
+            ids = self._encode(req.prompt, "prompt", self._tokenizer("text prompts", "prompt"),
+                               add_special_tokens=req.add_special_tokens)
+        else:
+            self._precheck(body, chat=True)
+            text = self._render_chat(req.messages, req.add_generation_prompt)
+            ids = self._encode(text, "messages", self.tokenizer, add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self.executor,
+                                                                self._detokenize, body)
+
+    def _detokenize(self, body: bytes) -> dict:
+        req = parse_body(DetokenizeRequest, body)
+        if req.model is not None:
+            self.check_model(req.model)
+        tok = self._tokenizer("detokenizing", "tokens")
+        if not all(0 <= t < self.vocab_size for t in req.tokens):
+            raise APIError(f"tokens must be token ids in [0, {self.vocab_size})",
+                           param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
     # ---- jobs -> responses ---------------------------------------------------------------
-    async def serve(self, job: Job, request: Request, stream: bool) -> Response:
+    async def serve(self, reply: Reply, request: Request, stream: bool) -> Response:
+        """Runs the reply's jobs in the engine. The first sample of each prompt is added
+        first; its other samples once it has its first token, so that they find the
+        prompt's KV in the prefix cache instead of computing it again."""
+        firsts = [job for job in reply.jobs if job.counts_prompt]
+        queues = {job.index: await self._add(job) for job in firsts}   # 400s before replying
+        prefilled = {job.index: asyncio.Event() for job in firsts}
+        leader = {}
+        for job in reply.jobs:
+            leader[job.index] = job.index if job.counts_prompt else leader[job.index - 1]
+
+        async def updates(job: Job):
+            if not job.counts_prompt:
+                await prefilled[leader[job.index]].wait()
+                queues[job.index] = await self._add(job)
+            it = self._advance(reply, job, self.loop.updates(job.request_id,
+                                                             queues[job.index]))
+            async with aclosing(it):
+                async for item in it:
+                    if job.counts_prompt:
+                        prefilled[job.index].set()
+                    yield item
+            if job.counts_prompt:
+                prefilled[job.index].set()    # (failed before its first token)
+
+        streams = [updates(job) for job in reply.jobs]
+        if stream:
+            return AbortingStreamingResponse(
+                self._sse(reply, streams), on_close=lambda: self._abort(reply),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(reply, streams, request)
+
+    async def _add(self, job: Job) -> asyncio.Queue:
         try:
-            queue = await self.loop.add(job.prompt_token_ids, job.sampling_params,
-                                        job.request_id, cache_salt=job.cache_salt,
-                                        compiled_grammar=job.compiled_grammar)
+            return await self.loop.add(job.prompt_token_ids, job.sampling_params,
+                                       job.request_id, cache_salt=job.cache_salt,
+                                       compiled_grammar=job.compiled_grammar)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=field if field == "stop_token_ids" else None) from None
         except EngineError as e:
             raise APIError(str(e), status=503) from None
-        updates = self._advance(job, self.loop.updates(job.request_id, queue))
-        if stream:
-            return AbortingStreamingResponse(
-                self._sse(job, updates), on_close=lambda: self.loop.abort(job.request_id),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(job, updates, request)
 
-    async def _advance(self, job: Job, updates) -> AsyncIterator[tuple[str, list[int]]]:
-        """Yields (text delta, new token ids) per engine step until the job is finished;
-        records the request in the metrics however it ends."""
+    def _abort(self, reply: Reply):
+        for job in reply.jobs:
+            self.loop.abort(job.request_id)
+
+    async def _advance(self, reply: Reply, job: Job,
+                       updates) -> AsyncIterator[tuple[Job, str, list[int]]]:
+        """Yields (job, text delta, new token ids) per engine step until the job is
+        finished; records the request in the metrics however it ends."""
         try:
             async with aclosing(updates) as it:
                 async for u in it:
                     job.metrics = u.metrics
                     delta = job.detok.update(u.new_token_ids, u.finish_reason is not None)
                     job.finish_reason = "stop" if job.detok.stopped else u.finish_reason
-                    yield delta, u.new_token_ids
+                    yield job, delta, u.new_token_ids
                     if job.finish_reason is not None:
                         return          # a stop string: closing `updates` aborts the request
         finally:
-            self.metrics.record_request(job.kind, job.finish_reason or "abort",
+            self.metrics.record_request(reply.kind, job.finish_reason or "abort",
                                         len(job.prompt_token_ids), job.metrics)
 
-    async def _complete(self, job: Job, updates, request: Request) -> Response:
+    async def _complete(self, reply: Reply, streams: list, request: Request) -> Response:
         async def consume():
-            async with aclosing(updates) as it:
+            async with aclosing(merge(streams)) as it:
                 async for _ in it:
                     pass
 
         work = asyncio.ensure_future(consume())
         if not await _first_or_disconnect(work, request):
+            self._abort(reply)
             return Response(status_code=STATUS_CLIENT_CLOSED)
         if isinstance(work.exception(), EngineError):
             raise APIError(str(work.exception()), status=500)
         work.result()
-        return JSONResponse(job.response())
+        return JSONResponse(reply.response())
 
-    async def _sse(self, job: Job, updates) -> AsyncIterator[str]:
-        if job.kind == CHAT:
-            yield job.chunk("", role=True)
+    async def _sse(self, reply: Reply, streams: list) -> AsyncIterator[str]:
+        if reply.kind == CHAT:
+            for job in reply.jobs:
+                yield reply.chunk(job, "", role=True)
         try:
-            async with aclosing(updates) as it:
-                async for delta, token_ids in it:
-                    if delta or job.finish_reason or (job.return_token_ids and token_ids):
-                        yield job.chunk(delta, token_ids, job.finish_reason)
+            async with aclosing(merge(streams)) as it:
+                async for job, delta, token_ids in it:
+                    if delta or job.finish_reason or (reply.return_token_ids and token_ids):
+                        yield reply.chunk(job, delta, token_ids, job.finish_reason)
         except EngineError as e:
             yield sse(APIError(str(e), status=500).body())
         else:
-            if job.include_usage:
-                yield job.usage_chunk()
+            if reply.include_usage:
+                yield reply.usage_chunk()
         yield SSE_DONE
+
+
+async def merge(streams: list) -> AsyncIterator:
+    """The items of several async generators as they come; an exception in one ends all
+    (each generator is closed however the merge ends)."""
+    if len(streams) == 1:                 # the common case: no tasks needed
+        async with aclosing(streams[0]) as it:
+            async for item in it:
+                yield item
+        return
+    done = object()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen):
+        try:
+            async with aclosing(gen) as it:
+                async for item in it:
+                    await queue.put((item, None))
+        except Exception as e:            # noqa: BLE001 - handed to the consumer
+            await queue.put((None, e))
+        await queue.put((done, None))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sample_params(sp: SamplingParams, s: int) -> SamplingParams:
+    """The SamplingParams of sample s of a request (seed + s, wrapped to int64)."""
+    if s == 0 or sp.seed is None:
+        return sp
+    seed = (sp.seed + s + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(sp, seed=seed)
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -1,0 +1,130 @@
+"""The OpenAI API as clients use it, driven by the official openai client against a real
+`python -m onespec serve` over the demo pair (EAGLE-3, K = 3): prompt lists and `n` (choices
+indexed prompt-major, streamed with their index, seeds derived per sample, samples sharing
+their prompt's KV through the prefix cache), max_completion_tokens on completions,
+continuous usage in streams, /tokenize and /detokenize. (Fields that would change the output
+and are not implemented answer 400: tests/test_serve.py, BAD_REQUESTS.)"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from test_serve import Server  # noqa: E402
+from onespec.demo import HEAD_DIR, TARGET_DIR  # noqa: E402
+
+NAME = "demo"
+PROMPTS = ["def mean(xs):\n", "import json\n\n\ndef load(path):\n"]
+# two blocks and more of prompt, so that a sample's prompt KV can come from the cache
+LONG_PROMPT = "class Config:\n    def __init__(self, path):\n        self.path = path\n" * 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(["--model", TARGET_DIR, "--draft", HEAD_DIR, "--k", "3", "--max-batch-size", "8",
+                "--served-model-name", NAME], tmp_path_factory.mktemp("openai-api") / "s.log")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(timeout=120)
+
+
+def one(client, prompt, **kw) -> str:
+    return client.completions.create(model=NAME, prompt=prompt, **{"max_tokens": 12, **kw}
+                                     ).choices[0].text
+
+
+def test_prompt_lists_answer_prompt_major(server, client):
+    ids = server.post("/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+    r = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                  n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [one(client, p, temperature=0) for p in PROMPTS]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    by_ids = client.completions.create(model=NAME, prompt=[ids, ids], max_tokens=12,
+                                       temperature=0)
+    assert [c.text for c in by_ids.choices] == [alone[1], alone[1]]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0)
+               .usage for p in PROMPTS]
+    assert r.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)  # once per prompt
+    assert r.usage.completion_tokens == 2 * sum(u.completion_tokens for u in singles)
+
+
+def test_n_samples_use_seed_plus_index_and_share_the_prompt_kv(server, client):
+    before = server.metrics()["onespec_prefix_cache_hits_total"]
+    r = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=16, n=3,
+                                  temperature=0.9, seed=41)
+    hits = server.metrics()["onespec_prefix_cache_hits_total"] - before
+    assert hits >= 2 * 32, hits          # samples 1 and 2 found the prompt's blocks cached
+    texts = [c.text for c in r.choices]
+    for s in range(3):
+        assert texts[s] == one(client, LONG_PROMPT, max_tokens=16, temperature=0.9,
+                               seed=41 + s)
+    assert len(set(texts)) > 1
+
+
+def test_streams_carry_each_choice_index(client):
+    chunks = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, n=2,
+                                       temperature=0.8, seed=3, stream=True)
+    streamed, finished = defaultdict(str), {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    whole = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, n=2,
+                                      temperature=0.8, seed=3)
+    assert dict(streamed) == {c.index: c.text for c in whole.choices}
+    assert set(finished) == {0, 1, 2, 3}
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Sort a list."}], max_tokens=8, n=2,
+        temperature=0.8, seed=5, stream=True)
+    roles, text = {}, defaultdict(str)
+    for c in chat:
+        for choice in c.choices:
+            if choice.delta.role:
+                roles[choice.index] = choice.delta.role
+            text[choice.index] += choice.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant"} and set(text) == {0, 1}
+
+
+def test_max_completion_tokens_on_completions(client):
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], temperature=0,
+                                  extra_body={"max_completion_tokens": 5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted and all(u is not None for u in counted)
+    assert counted == sorted(counted) and counted[-1] == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_tokenize_and_detokenize(server, client):
+    messages = [{"role": "user", "content": "Reverse a string."}]
+    r = server.post("/tokenize", json={"model": NAME, "messages": messages})
+    assert r.status_code == 200, r.text
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert r.json()["count"] == chat.usage.prompt_tokens == len(r.json()["tokens"])
+    t = server.post("/tokenize", json={"prompt": PROMPTS[1]}).json()
+    assert t["max_model_len"] == 2048
+    d = server.post("/detokenize", json={"model": NAME, "tokens": t["tokens"]}).json()
+    assert d["prompt"] == PROMPTS[1]
+    bad = server.post("/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = server.post("/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400

@@ -6,6 +6,7 @@ continuous usage in streams, /tokenize and /detokenize. (Fields that would chang
 and are not implemented answer 400: tests/test_serve.py, BAD_REQUESTS.)"""
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -128,3 +129,109 @@ def test_tokenize_and_detokenize(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = server.post("/tokenize", json={"prompt": "x", "messages": messages})
     assert both.status_code == 400
+
+
+# ---- tool calls ----------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def check_call(call, tools=TOOLS):
+    import jsonschema
+    tool = next(t for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_required_tool_choice_always_gives_a_call_without_a_parser(client):
+    pytest.importorskip("xgrammar")
+    for seed in range(3):
+        r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS,
+                                           tool_choice="required", max_tokens=80,
+                                           temperature=1.0, seed=seed,
+                                           parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None and len(choice.message.tool_calls) == 1
+        check_call(choice.message.tool_calls[0])
+
+
+def test_named_tool_choice_calls_that_function(client):
+    pytest.importorskip("xgrammar")
+    r = client.chat.completions.create(
+        model=NAME, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and r.choices[0].finish_reason == "tool_calls"
+    check_call(call)
+
+
+def test_streamed_tool_calls_arrive_as_deltas(client):
+    pytest.importorskip("xgrammar")
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
+              temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls, reasons, content = [], [], ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert reasons == ["tool_calls"] and content == ""
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert [c.index for c in calls] == list(range(len(calls)))
+
+
+def test_auto_tool_choice_without_a_parser_is_a_400(client):
+    for kw in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS,
+                                           max_tokens=4, **kw)
+    with pytest.raises(openai.BadRequestError, match="naming one of the tools"):
+        client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=4,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "nope"}})
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=4,
+                                       tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_tool_history_is_rendered_by_the_template(server, client):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    prompt = server.post("/tokenize", json={"messages": history}).json()["tokens"]
+    text = server.post("/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}' \
+           '</tool_call>' in text and "# tool result: sunny, 21 C" in text
+    r = client.chat.completions.create(model=NAME, messages=history, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_with_a_parser_answers_content(tmp_path):
+    """In-process server with the hermes parser: the demo model answers text (it was never
+    taught to call tools), which comes back as content with no calls."""
+    from fastapi.testclient import TestClient
+
+    from onespec import LLM
+    from onespec.serve.app import create_app
+    llm = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2)
+    try:
+        with TestClient(create_app(llm, NAME, tool_call_parser="hermes")) as http:
+            c = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+            r = c.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=8,
+                                          temperature=0)
+            assert r.choices[0].message.tool_calls is None
+            assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    finally:
+        llm.close()

@@ -106,11 +106,14 @@ def _too_large(what: str, limit: int) -> APIError:
 
 def create_app(llm, served_model_name: str, api_key: str | list[str] | None = None,
                max_request_body_bytes: int | None = None, limits: ServerLimits | None = None,
-               cache_salt_per_api_key: bool = True) -> FastAPI:
+               cache_salt_per_api_key: bool = True,
+               tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app over `llm` (an onespec.LLM). Its lifespan starts the engine
     loop, so run it under an ASGI server (or `with TestClient(app)`). With API keys the
     /docs, /redoc and /openapi.json pages are off, and (cache_salt_per_api_key) each key
-    has its own prefix-cache namespace. max_request_body_bytes overrides limits' value."""
+    has its own prefix-cache namespace. max_request_body_bytes overrides limits' value.
+    tool_call_parser ("hermes", "llama3_json", "mistral"): reads tool calls of
+    tool_choice "auto" from the model's output."""
     limits = limits or ServerLimits()
     if max_request_body_bytes is not None:
         limits = ServerLimits(**{**limits.__dict__,
@@ -118,7 +121,7 @@ def create_app(llm, served_model_name: str, api_key: str | list[str] | None = No
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(llm.engine.max_draft_len)
-    serving = OpenAIServing(loop, served_model_name, metrics, limits)
+    serving = OpenAIServing(loop, served_model_name, metrics, limits, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 
 from onespec.serve.limits import HELP, ServerLimits
+from onespec.serve.tools import PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template for /v1/chat/completions, a file or the template "
                         "itself (default: the tokenizer's own)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice \"auto\" (the default with tools): needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the format the model writes tool calls in")
     p.add_argument("--log-level", default="info", help="server log level",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -81,6 +87,10 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print("onespec serve: error: --enable-auto-tool-choice and --tool-call-parser go "
+              "together", file=sys.stderr)
+        return 2
     try:
         limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
     except ValueError as e:
@@ -103,7 +113,8 @@ def main(argv=None) -> int:
         return 2
     configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
-                     limits=limits, cache_salt_per_api_key=args.cache_salt_per_api_key)
+                     limits=limits, cache_salt_per_api_key=args.cache_salt_per_api_key,
+                     tool_call_parser=args.tool_call_parser)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     access_log=not args.no_access_log, timeout_graceful_shutdown=5)

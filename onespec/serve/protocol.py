@@ -7,6 +7,7 @@ served requests share one set of rules and messages.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -36,15 +37,58 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str                      # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallBody] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a tool's answer to a call
+    name: str | None = None
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates take it (Hugging Face's convention: a call's
+        arguments as an object when they are JSON)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class JSONSchemaFormat(_Strict):
@@ -249,8 +293,19 @@ class CompletionRequest(_GenerationRequest):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def effective_tool_choice(self):
+        """"none", "auto", "required" or {"type": "function", "function": {"name"}}; with
+        tools given and no tool_choice, "auto" (OpenAI's default)."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     def check_unsupported(self):
         super().check_unsupported()
@@ -258,13 +313,19 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError("logprobs are not supported", param="logprobs")
         if not self.messages:
             raise APIError("messages must be a non-empty list", param="messages")
-        if self.tools:
-            raise APIError("tools are not supported by this server yet; describe the "
-                           "functions in a message and use response_format for JSON",
-                           param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError("tool_choice needs tools, which this server does not support yet",
-                           param="tool_choice")
+        choice = self.effective_tool_choice()
+        names = [t.function.name for t in self.tools or []]
+        if choice != "none" and not names:
+            raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or name not in names:
+                raise APIError("tool_choice must be \"none\", \"auto\", \"required\" or "
+                               "{\"type\": \"function\", \"function\": {\"name\": NAME}} "
+                               f"naming one of the tools {names}", param="tool_choice")
+        if len(set(names)) != len(names):
+            raise APIError("tools must have distinct function names", param="tools")
 
 
 def parse_body(model: type[_Strict], body: bytes) -> _Strict:

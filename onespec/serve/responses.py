@@ -19,6 +19,7 @@ from typing import Any
 from onespec.engine.request import RequestMetrics
 from onespec.sampling_params import SamplingParams
 from onespec.serve.detokenize import IncrementalDetokenizer
+from onespec.serve.tools import ToolMode
 
 COMPLETION, CHAT = "completion", "chat"
 OBJECT_NAMES = {COMPLETION: ("text_completion", "text_completion"),
@@ -41,6 +42,7 @@ class Job:
     compiled_grammar: Any = None               # xgrammar's grammar of its structured output
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    num_content_sent: int = 0                  # with tools: characters streamed as content
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Reply:
     return_token_ids: bool = False
     include_usage: bool = False
     continuous_usage: bool = False             # usage on every chunk of a stream
+    tools: ToolMode | None = None              # chat with tools: how calls are read
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,7 +92,13 @@ class Reply:
     # ---- whole responses -----------------------------------------------------------------
     def choice(self, job: Job) -> dict:
         choice = {"index": job.index, "finish_reason": job.finish_reason, "logprobs": None}
-        if self.kind == CHAT:
+        if self.tools is not None:
+            content, calls, choice["finish_reason"] = self.tools.result(job.detok.text,
+                                                                        job.finish_reason)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.as_dict(i) for i, c in enumerate(calls)]
+        elif self.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": job.detok.text}
         else:
             choice["text"] = job.detok.text
@@ -122,6 +131,31 @@ class Reply:
         if finish_reason is not None:
             body["onespec"] = self.spec_metrics()
         return sse(body)
+
+    def tool_chunks(self, job: Job, token_ids: list[int]) -> list[str]:
+        """A tool-calling chat's chunks for one update: the content that is certainly no
+        call yet; once the choice is finished, the rest of its content, its calls (one
+        delta, each call whole) and its finish_reason."""
+        text = job.detok.text
+        chunks = []
+        if job.finish_reason is None:
+            content, calls = self.tools.visible(text), []
+        else:
+            content, calls, reason = self.tools.result(text, job.finish_reason)
+            content = content if not calls else text[:job.num_content_sent]
+        new = (content or "")[job.num_content_sent:]
+        if new:
+            job.num_content_sent += len(new)
+            chunks.append(self.chunk(job, new, token_ids))
+        if job.finish_reason is None:
+            return chunks
+        if calls:
+            body = {**self.head(stream=True), "choices": [{
+                "index": job.index, "finish_reason": None, "logprobs": None,
+                "delta": {"tool_calls": [c.as_dict(i) for i, c in enumerate(calls)]}}]}
+            chunks.append(sse(body))
+        chunks.append(self.chunk(job, "", None, reason))
+        return chunks
 
     def usage_chunk(self) -> str:
         return sse({**self.head(stream=True), "choices": [], "usage": self.usage(),

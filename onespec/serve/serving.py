@@ -29,6 +29,7 @@ from onespec.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, parse_body)
 from onespec.sampling_params import SamplingParams
 from onespec.serve.responses import CHAT, COMPLETION, SSE_DONE, Job, Reply, sse
+from onespec.serve.tools import PARSERS, ToolMode, forced_schema, tool_parser
 from onespec.structured.compile_pool import (CompileBusy, CompileTimeout,
                                              GrammarCompilePool)
 from onespec.structured.params import StructuredOutputsParams, spec_size
@@ -94,9 +95,11 @@ class OpenAIServing:
     (structured/compile_pool.py)."""
 
     def __init__(self, loop: EngineLoop, served_model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, tool_call_parser: str | None = None):
         self.loop = loop
         engine = loop.engine
+        self.tool_parser = None if tool_call_parser is None else tool_parser(tool_call_parser)
+        self.eos_token_ids = set(engine.model.config.eos_token_ids)
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
@@ -213,13 +216,29 @@ class OpenAIServing:
 
     def chat_reply(self, req: ChatCompletionRequest):
         self.check_model(req.model)
-        text = self._render_chat(req.messages, add_generation_prompt=True)
+        choice, tools = req.effective_tool_choice(), req.tool_dicts()
+        text = self._render_chat(req.messages, add_generation_prompt=True, tools=tools)
         ids = self._encode(text, "messages", self.tokenizer, add_special_tokens=False)
         self._check_prompt_length(ids, "messages")
-        return self._reply(CHAT, req, [ids], self.max_model_len - len(ids))
+        mode, forced = None, None
+        if choice == "auto":
+            if self.tool_parser is None:
+                raise APIError(
+                    "tool_choice \"auto\" (the default with tools) needs a tool-call parser: "
+                    "start the server with --enable-auto-tool-choice --tool-call-parser NAME "
+                    f"({', '.join(PARSERS)}), or send tool_choice \"required\" or a named "
+                    "function, which need none", param="tool_choice")
+            mode = ToolMode(choice, tools, self.tool_parser)
+        elif choice != "none":
+            mode = ToolMode(choice, tools)
+            forced = StructuredOutputsParams(
+                json=forced_schema(tools, choice, req.parallel_tool_calls))
+        return self._reply(CHAT, req, [ids], self.max_model_len - len(ids), mode, forced)
 
-    def _render_chat(self, messages: list, add_generation_prompt: bool) -> str:
-        """The messages as the chat template renders them (checked for length first)."""
+    def _render_chat(self, messages: list, add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> str:
+        """The messages (and tools) as the chat template renders them (checked for length
+        first)."""
         tok = self._tokenizer("chat completions", "messages")
         if not getattr(tok, "chat_template", None):
             raise APIError(f"the model '{self.model_name}' has no chat template; use "
@@ -228,6 +247,7 @@ class OpenAIServing:
                           "messages")
         try:
             return tok.apply_chat_template([m.as_template_dict() for m in messages],
+                                           tools=tools or None,
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
         except Exception as e:      # jinja2 errors: the template rejected the messages
@@ -269,24 +289,33 @@ class OpenAIServing:
         if len(ids) >= self.max_model_len:
             raise self._too_long(f"{len(ids)} tokens", param)
 
-    def _reply(self, kind: str, req, prompts: list[list[int]], default_max_tokens: int):
+    def _reply(self, kind: str, req, prompts: list[list[int]], default_max_tokens: int,
+               tools: ToolMode | None = None, forced: StructuredOutputsParams | None = None):
         """(the Reply: n jobs per prompt, its structured-output spec or None, the field that
         gave the spec). Sample s of a seeded request uses seed + s (wrapped to int64), so
-        n = 1 decodes exactly as before and every sample is reproducible."""
+        n = 1 decodes exactly as before and every sample is reproducible. forced: the
+        schema of a forced tool choice."""
         stop = req.stop_strings()
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         structured, field = req.structured()
+        if forced is not None:
+            if structured is not None:
+                raise APIError(f"{field.split('.')[0]} and a forced tool_choice both constrain "
+                               "the output: send one of them", param="tool_choice")
+            structured, field = forced, "tool_choice"
         sp = req.sampling_params(default_max_tokens, structured)
         if structured is not None:
             self._check_spec(structured, field)
         n = req.num_samples
-        jobs = [Job(ids, sample_params(sp, s), IncrementalDetokenizer(self._decode, stop),
+        # a parser reads markers that may be special tokens: keep them in the text
+        decode = self._decode_keeping_markers if tools and tools.parser else self._decode
+        jobs = [Job(ids, sample_params(sp, s), IncrementalDetokenizer(decode, stop),
                     index=p * n + s, counts_prompt=s == 0, cache_salt=req.cache_salt)
                 for p, ids in enumerate(prompts) for s in range(n)]
         reply = Reply(kind, self.model_name, jobs, return_token_ids=req.return_token_ids,
                       include_usage=req.include_usage(),
-                      continuous_usage=req.continuous_usage())
+                      continuous_usage=req.continuous_usage(), tools=tools)
         return reply, structured, field
 
     def _check_spec(self, structured: StructuredOutputsParams, field: str):
@@ -347,6 +376,12 @@ class OpenAIServing:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _decode_keeping_markers(self, token_ids: list[int]) -> str:
+        """The text with special tokens (a parser's markers such as [TOOL_CALLS]), less
+        the end-of-sequence tokens."""
+        kept = [t for t in token_ids if t not in self.eos_token_ids]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     # ---- /tokenize and /detokenize ----------------------------------------------------------
     async def tokenize(self, body: bytes) -> dict:
@@ -467,7 +502,10 @@ class OpenAIServing:
         try:
             async with aclosing(merge(streams)) as it:
                 async for job, delta, token_ids in it:
-                    if delta or job.finish_reason or (reply.return_token_ids and token_ids):
+                    if reply.tools is not None:
+                        for chunk in reply.tool_chunks(job, token_ids):
+                            yield chunk
+                    elif delta or job.finish_reason or (reply.return_token_ids and token_ids):
                         yield reply.chunk(job, delta, token_ids, job.finish_reason)
         except EngineError as e:
             yield sse(APIError(str(e), status=500).body())

@@ -216,10 +216,9 @@ def set_draft(engine, k: int | str, acceptance: float | None, rates=None):
     """Runs every following step with draft length k (or the engine's auto policy) and
     forced acceptance on an engine built with max_draft_len >= k (one engine serves every K)."""
     if k != AUTO_DRAFT_LEN:
-        engine.draft_len_fn = lambda num_requests: k
+        engine.set_draft_len(k)
     if engine.drafter is not None:
-        engine.runner.worker.force_acceptance_length = None if rates else acceptance
-        engine.runner.worker.force_acceptance_rates = rates
+        engine.set_forced_acceptance(None if rates else acceptance, rates)
 
 
 def num_timed_steps(gen_len: int, acceptance: float) -> int:

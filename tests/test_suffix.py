@@ -193,7 +193,7 @@ def test_request_metrics_count_automaton_drafts(pair):
     (lambda: Eagle3Config("h", use_sa_enhancer=True, sa_min_match_len=0),
      "sa_min_match_len must be an integer >= 1"),
     (lambda: Eagle3Config("h", use_sa_enhancer=1), "use_sa_enhancer must be True or False"),
-    (lambda: NGramConfig(draft_len_schedule="auto"), "'auto' needs a model drafter"),
+    (lambda: NGramConfig(draft_len_schedule="auto"), "NGramConfig cannot be combined with draft_len_schedule='auto'"),
 ])
 def test_configuration_errors(cfg, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):

@@ -16,7 +16,7 @@ COMMANDS = {
              "the bundled code model and its EAGLE-3 head: plain vs speculative, no arguments"),
     "generate": ("onespec.cli:generate_main", "generate from one prompt, streaming the text"),
     "serve": ("onespec.serve.cli:main", "OpenAI-compatible HTTP server"),
-    "bench": ("onespec.bench_cli:main",
+    "bench": ("onespec.bench.decode:main",
               "decode benchmark of a random-weight model, plain and speculative"),
     "train": ("onespec.train.cli:main", "train an EAGLE-3 draft head for a target model"),
 }

@@ -323,7 +323,7 @@ def test_cli_flag():
 def test_ttft_bench_tiny_cpu(capsys):
     import json
 
-    from onespec.bench_prefix import main
+    from onespec.bench.prefix import main
     assert main(["--shape", "tiny", "--device", "cpu", "--prompt-len", "48",
                  "--cached-len", "32", "--trials", "1"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]

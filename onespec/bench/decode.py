@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from onespec.bench_hf import run_hf
-from onespec.bench_models import (SHAPES, copy_bandwidth, release_memory, shape_label,
+from onespec.bench.hf import run_hf
+from onespec.bench.models import (SHAPES, copy_bandwidth, release_memory, shape_label,
                                   step_floor_parts, sync, write_model_dirs)
-from onespec.bench_moe import MTP_SHAPES
+from onespec.bench.moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
 from onespec.speculative.cost_model import expected_tokens
 from onespec.speculative.shape import ChainShape, TreeShape
@@ -122,7 +122,7 @@ def parse_args(argv):
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
     if args.plot:
-        from onespec.bench_plot import check_matplotlib
+        from onespec.bench.plot import check_matplotlib
         check_matplotlib(p.error)
     return args
 
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
     hf_best = run_hf(args, bandwidth, emit) if args.hf else {}
     run_onespec(args, bandwidth, emit, hf_best)
     if args.plot:
-        from onespec.bench_plot import plot_throughput
+        from onespec.bench.plot import plot_throughput
         plot_throughput(rows, args.plot, f"{label} on {device_name}, {args.dtype}")
         print(f"[plot written to {args.plot}]", file=sys.stderr)
     print(f"[bench done in {time.perf_counter() - start:.1f} s]", file=sys.stderr)

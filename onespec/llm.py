@@ -68,7 +68,8 @@ class LLM:
                              req.is_finished, req.metrics)
 
     def stats(self) -> dict:
-        return self.engine.stats.as_dict()
+        """The aggregate counters (SpecStats) and the scheduler's preemptions so far."""
+        return {**self.engine.stats.as_dict(), "num_preemptions": self.engine.num_preemptions}
 
     def close(self):
         """Stops the engine's tensor-parallel workers, if any (also at exit); idempotent."""

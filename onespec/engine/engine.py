@@ -233,6 +233,11 @@ class Engine:
         """Whether generation steps replay CUDA graphs (engine/cuda_graph.py)."""
         return self.runner.graphs is not None
 
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (their blocks freed to let others run)."""
+        return self.scheduler.num_preemptions
+
     def reset_stats(self):
         """Starts the aggregate counters (LLM.stats) afresh."""
         self.stats = SpecStats(self.max_draft_len, self.policy)

@@ -149,24 +149,24 @@ def test_llm_takes_the_dictionary(pair):
         LLM(target, device=TEST_DEVICE, speculative_config={"method": "ngram", "k": 3})
 
 
-def test_generate_cli_takes_the_dictionary(pair, capsys):
+def test_generate_cli_takes_the_dictionary(pair, capfd):
     from onespec.cli import generate_main
     target, _, head, plain = pair
     spec = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 2})
     base = ["--model", target, "--device", TEST_DEVICE, "--dtype", "float32",
             "--prompt-ids", "1,2,3,4", "--max-tokens", "12", "--ignore-eos"]
     assert generate_main([*base, "--speculative-config", spec]) == 0
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert out.split() == [str(t) for t in plain[0]] and "acceptance length" in err
     assert generate_main([*base, "--speculative-config",
                           json.dumps({"method": "ngram", "lookup": 2})]) == 2
-    assert "key 'lookup'" in capsys.readouterr().err
+    assert "key 'lookup'" in capfd.readouterr().err
     with pytest.raises(SystemExit):
         generate_main([*base, "--speculative-config", spec, "--draft", head])
-    assert "pass --draft inside it" in capsys.readouterr().err
+    assert "pass --draft inside it" in capfd.readouterr().err
     with pytest.raises(SystemExit):
         generate_main([*base, "--speculative-config", "{not json"])
-    assert "not valid JSON" in capsys.readouterr().err
+    assert "not valid JSON" in capfd.readouterr().err
 
 
 def test_engine_level_pairs_are_refused_before_any_rank_starts(pair):

@@ -58,7 +58,7 @@ def install_markers(worker, labels: list[str]):
     t = worker.target
     t.forward = marked("target forward", t.forward)
     t.greedy_tokens = marked("target lm_head+argmax", t.greedy_tokens)
-    worker._accept = marked("accept", worker._accept)
+    worker.acceptor.accept = marked("accept", worker.acceptor.accept)
     if worker.drafter is not None:
         d = worker.drafter
         d.initial_hidden = marked("draft fc", d.initial_hidden)

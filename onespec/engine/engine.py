@@ -81,7 +81,8 @@ class Engine:
         self.config, self.spec_config = config, speculative_config
         # the features in play, their pairs checked once (combinations.py) before any rank
         # starts; the target's own (its window) are added once its config is read
-        target_cls = target_class(read_config(config.model))
+        target_cls = target_class(read_config(config.model)) \
+            if config.attention_backend == "triton" else None     # (its tree masks)
         self.features = spec_features(speculative_config) | engine_features(config, target_cls)
         check_combinations(self.features)
         self.workers = start_workers(config, speculative_config) if parallel is None else None

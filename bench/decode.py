@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from onespec.bench_cli import main  # noqa: E402
+from onespec.bench.decode import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["decode", *sys.argv[1:]]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import json
 import os
 import re
 import sys
@@ -15,7 +16,7 @@ COMMANDS = {
              "the bundled code model and its EAGLE-3 head: plain vs speculative, no arguments"),
     "generate": ("onespec.cli:generate_main", "generate from one prompt, streaming the text"),
     "serve": ("onespec.serve.cli:main", "OpenAI-compatible HTTP server"),
-    "bench": ("onespec.bench_cli:main",
+    "bench": ("onespec.bench.decode:main",
               "decode benchmark of a random-weight model, plain and speculative"),
     "train": ("onespec.train.cli:main", "train an EAGLE-3 draft head for a target model"),
 }
@@ -85,6 +86,10 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
                    help="with --draft or --mtp: drafts from the request's own earlier tokens "
                         "replace the model's when N or more tokens match (suffix automaton)")
+    p.add_argument("--speculative-config", type=speculative_json, default=None, metavar="JSON",
+                   help="vLLM's form, instead of --draft/--mtp/--ngram: "
+                        '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
+                        "(method eagle3, mtp or ngram; any field of the method's config too)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -102,18 +107,38 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    help="auto: the Triton kernels on CUDA (one rank), else PyTorch")
 
 
+def speculative_json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as "
+                                         f'{{"method": "ngram"}}, got {text!r}')
+    return value
+
+
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
-    --draft, --mtp and --ngram are three drafters, one at a time; --sa-enhancer goes on a
-    model drafter; tree options need --draft."""
+    --draft, --mtp and --ngram are three drafters, one at a time, and --speculative-config
+    replaces them all; --sa-enhancer goes on a model drafter; tree options need --draft.
+    Which drafting options go together is combinations.py's to say, for every entry."""
+    if args.speculative_config is not None:
+        given = [o for o, v in (("--draft", args.draft), ("--mtp", args.mtp),
+                                ("--ngram", args.ngram), ("--k", args.k),
+                                ("--tree-topk", args.tree_topk),
+                                ("--tree-nodes", args.tree_nodes),
+                                ("--sa-enhancer", args.sa_enhancer)) if v is not None]
+        if given:
+            parser.error(f"--speculative-config holds every drafting option: pass {given[0]} "
+                         "inside it instead")
+        return
     check_host_draft_args(parser, args)
     if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
         parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
                      "--draft")
     if args.tree_nodes is not None and args.tree_topk is None:
         parser.error("--tree-nodes needs --tree-topk (which turns the tree on)")
-    if args.tree_topk is not None and args.sa_enhancer is not None:
-        parser.error("--sa-enhancer replaces chain drafts: it does not go with --tree-topk")
     if args.mtp is not None:
         if args.draft is not None:
             parser.error("--draft and --mtp are two drafters: pass one of them")
@@ -178,7 +203,8 @@ def build_llm(args):
                 max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
     spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree) if draft else \
         MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
-        NGramConfig(max_draft_len=args.ngram) if args.ngram else None
+        NGramConfig(max_draft_len=args.ngram) if args.ngram else \
+        speculative_dict(args.speculative_config)
     import torch
     try:
         return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
@@ -191,6 +217,13 @@ def build_llm(args):
         raise ValueError(f"out of memory while building the engine for {args.model!r} "
                          f"({str(e).splitlines()[0]}); lower --max-batch-size, "
                          "--max-model-len or --num-kv-blocks") from None
+
+
+def speculative_dict(spec: dict | None) -> dict | None:
+    """--speculative-config with its draft model directory resolved as --draft's is."""
+    if spec is None or not isinstance(spec.get("model"), str):
+        return spec
+    return {**spec, "model": resolve_model_dir(spec["model"], "--speculative-config model")}
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -245,7 +278,7 @@ def cmd_generate(args):
     m = req.metrics
     line = (f"[{len(req.output_token_ids)} tokens in {elapsed:.2f}s, "
             f"{len(req.output_token_ids) / elapsed:.1f} tok/s, target steps {m.target_steps}")
-    if args.draft or args.mtp or args.ngram:
+    if args.draft or args.mtp or args.ngram or args.speculative_config:
         line += (f", acceptance length {m.acceptance_length:.2f}, drafts accepted "
                  f"{m.num_accepted_draft_tokens}/{m.num_draft_tokens}")
     if args.sa_enhancer:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from onespec.combinations import check_combinations, spec_features
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 AUTO_DRAFT_LEN = "auto"      # draft_len_schedule chosen per step by the cost model
@@ -123,15 +125,27 @@ def _check_acceptance_rates(cfg):
         raise ValueError(f"force_acceptance_rates must each be in [0, 1], got {rates!r}")
 
 
-def _check_sa_options(cfg):
-    """The suffix-automaton enhancer's options (Eagle3Config and MTPConfig)."""
-    if not isinstance(cfg.use_sa_enhancer, bool):
-        raise ValueError(f"use_sa_enhancer must be True or False, got {cfg.use_sa_enhancer!r}")
-    _check_int("sa_min_match_len", cfg.sa_min_match_len, 1)
+def _check_bools(cfg, *names: str):
+    for name in names:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
+
+
+def _check_relaxed_options(cfg):
+    """Relaxed acceptance inside a thinking phase (docs/DECODING.md, "Acceptance")."""
+    _check_int("relaxed_topk", cfg.relaxed_topk, 1, 64)
+    if not (isinstance(cfg.relaxed_delta, (int, float)) and 0.0 <= cfg.relaxed_delta <= 1.0):
+        raise ValueError(f"relaxed_delta must be a number in [0, 1], got {cfg.relaxed_delta!r}")
+    _check_int("begin_thinking_phase_token", cfg.begin_thinking_phase_token, 0, allow_none=True)
+    _check_int("end_thinking_phase_token", cfg.end_thinking_phase_token, 0, allow_none=True)
+    if cfg.use_relaxed_acceptance_for_thinking and cfg.begin_thinking_phase_token is None:
+        raise ValueError("use_relaxed_acceptance_for_thinking needs "
+                         "begin_thinking_phase_token (and usually end_thinking_phase_token)")
 
 
 def _check_tree_options(cfg):
-    """Validates a dynamic tree's shape and the options a tree cannot combine with."""
+    """Validates a dynamic tree's shape (the features it cannot combine with are in
+    combinations.py)."""
     _check_int("max_draft_len (the tree's depth)", cfg.max_draft_len, 1, 32)
     _check_int("dynamic_tree_max_topK", cfg.dynamic_tree_max_topK, 1, 16)
     top_k, depth = cfg.dynamic_tree_max_topK, cfg.max_draft_len
@@ -139,30 +153,19 @@ def _check_tree_options(cfg):
     if cfg.max_total_draft_tokens is None:
         cfg.max_total_draft_tokens = top_k * depth
     _check_int("max_total_draft_tokens", cfg.max_total_draft_tokens, depth, most)
-    if cfg.use_rejection_sampling:
-        raise ValueError("use_dynamic_tree cannot be combined with use_rejection_sampling "
-                         "(sampled requests use exact-match acceptance on the tree)")
-    if cfg.draft_len_schedule == AUTO_DRAFT_LEN:
-        raise ValueError(f"use_dynamic_tree cannot be combined with draft_len_schedule="
-                         f"{AUTO_DRAFT_LEN!r} (the cost model times chains of K drafts)")
-    if cfg.force_acceptance_rates is not None:
-        raise ValueError("use_dynamic_tree cannot be combined with force_acceptance_rates "
-                         "(use force_acceptance_length)")
-    if cfg.use_sa_enhancer:
-        raise ValueError("use_dynamic_tree cannot be combined with use_sa_enhancer "
-                         "(the suffix automaton replaces chain drafts)")
-    schedule = cfg.draft_len_schedule or {}
+    schedule = cfg.draft_len_schedule if isinstance(cfg.draft_len_schedule, dict) else {}
     if any(k not in (0, depth) for k in schedule.values()):
         raise ValueError("with use_dynamic_tree, draft_len_schedule values must be 0 or "
                          f"max_draft_len = {depth} (a step drafts the whole tree or nothing)")
 
 
-@dataclass
-class Eagle3Config:
-    """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
-    draft_model: str
-    max_draft_len: int = 3
-    layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default
+@dataclass(kw_only=True)
+class SpeculativeConfig:
+    """The options every drafter shares: when to draft (draft_len_schedule,
+    max_concurrency, the acceptance gate), how drafts are accepted (rejection sampling,
+    relaxed acceptance inside a thinking phase, forced acceptance for benchmarks) and the
+    suffix-automaton enhancer. Subclasses add their drafter's own fields and define
+    max_draft_len; combinations.py says which options go together."""
     draft_len_schedule: dict[int, int] | str | None = None   # {batch_size: K} | "auto"
     max_concurrency: int | None = None                 # == {N: max_draft_len}
     use_rejection_sampling: bool = False
@@ -171,17 +174,51 @@ class Eagle3Config:
     force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
     # benchmarks only: conditional acceptance rate of each draft position
     force_acceptance_rates: tuple[float, ...] | None = None
-    draft_dtype: str = "auto"                          # head precision; auto = the target's
+    # relaxed acceptance inside a thinking phase (docs/DECODING.md, "Acceptance"; lossy,
+    # greedy requests only): a draft in the target's top relaxed_topk within relaxed_delta
+    use_relaxed_acceptance_for_thinking: bool = False
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    begin_thinking_phase_token: int | None = None
+    end_thinking_phase_token: int | None = None
     # suffix-automaton enhancer: drafts from the request's own earlier tokens replace the
-    # head's when the current suffix occurred before with at least sa_min_match_len tokens
+    # model's when the current suffix occurred before with at least sa_min_match_len tokens
     use_sa_enhancer: bool = False
     sa_min_match_len: int = 4
+
+    def __post_init__(self):
+        self._check_own()
+        _check_bools(self, "use_rejection_sampling", "use_relaxed_acceptance_for_thinking",
+                     "use_sa_enhancer")
+        _check_drafting_options(self)
+        _check_relaxed_options(self)
+        _check_int("sa_min_match_len", self.sa_min_match_len, 1)
+        if getattr(self, "use_dynamic_tree", False):
+            _check_tree_options(self)
+        check_combinations(spec_features(self))
+
+    def _check_own(self):
+        """The drafter's own fields (each subclass)."""
+        raise NotImplementedError
+
+    @property
+    def is_forced(self) -> bool:
+        return self.force_acceptance_length is not None or self.force_acceptance_rates is not None
+
+
+@dataclass
+class Eagle3Config(SpeculativeConfig):
+    """One-model EAGLE-3 drafting (docs/DECODING.md, "EAGLE-3 head", "around the loop")."""
+    draft_model: str
+    max_draft_len: int = 3
+    layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default
+    draft_dtype: str = "auto"                          # head precision; auto = the target's
     # dynamic tree (docs/DECODING.md, "dynamic trees"): max_draft_len is the tree's depth
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = 4                     # frontier width and children per node
     max_total_draft_tokens: int | None = None          # nodes verified; None = topK * depth
 
-    def __post_init__(self):
+    def _check_own(self):
         if not isinstance(self.draft_model, str) or not self.draft_model:
             raise ValueError("draft_model must be a path to an EAGLE-3 head directory")
         _check_int("max_draft_len", self.max_draft_len, 0, 32)
@@ -191,38 +228,16 @@ class Eagle3Config:
                     isinstance(i, int) and i >= 0 for i in self.layers_to_capture):
                 raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
                                  f"got {self.layers_to_capture!r}")
-        _check_drafting_options(self)
-        if not isinstance(self.use_dynamic_tree, bool):
-            raise ValueError("use_dynamic_tree must be True or False, "
-                             f"got {self.use_dynamic_tree!r}")
-        _check_sa_options(self)
-        if self.use_dynamic_tree:
-            _check_tree_options(self)
+        _check_bools(self, "use_dynamic_tree")
         if self.draft_dtype not in DTYPES:
             raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
 
 
 @dataclass
-class MTPConfig:
-    """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP"),
-    and relaxed acceptance inside a thinking phase ("Acceptance"; lossy, greedy only)."""
+class MTPConfig(SpeculativeConfig):
+    """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP")."""
     num_nextn_predict_layers: int = 1      # K: drafts per step
     use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
-    use_relaxed_acceptance_for_thinking: bool = False
-    relaxed_topk: int = 1
-    relaxed_delta: float = 0.0
-    begin_thinking_phase_token: int | None = None
-    end_thinking_phase_token: int | None = None
-    draft_len_schedule: dict[int, int] | str | None = None   # {batch_size: K} | "auto"
-    max_concurrency: int | None = None                 # == {N: K}
-    use_rejection_sampling: bool = False
-    acceptance_window: int | None = None
-    acceptance_length_threshold: float | None = None
-    force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
-    # benchmarks only: conditional acceptance rate of each draft position
-    force_acceptance_rates: tuple[float, ...] | None = None
-    use_sa_enhancer: bool = False                      # as in Eagle3Config
-    sa_min_match_len: int = 4
 
     @property
     def max_draft_len(self) -> int:
@@ -233,57 +248,75 @@ class MTPConfig:
         """MTP layers read from the checkpoint."""
         return self.num_nextn_predict_layers if self.use_mtp_vanilla else 1
 
-    def __post_init__(self):
+    def _check_own(self):
         _check_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 1, 32)
-        for name in ("use_mtp_vanilla", "use_relaxed_acceptance_for_thinking",
-                     "use_rejection_sampling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        _check_int("relaxed_topk", self.relaxed_topk, 1, 64)
-        if not (isinstance(self.relaxed_delta, (int, float)) and 0.0 <= self.relaxed_delta <= 1.0):
-            raise ValueError(f"relaxed_delta must be a number in [0, 1], "
-                             f"got {self.relaxed_delta!r}")
-        _check_int("begin_thinking_phase_token", self.begin_thinking_phase_token, 0,
-                   allow_none=True)
-        _check_int("end_thinking_phase_token", self.end_thinking_phase_token, 0,
-                   allow_none=True)
-        if self.use_relaxed_acceptance_for_thinking and self.begin_thinking_phase_token is None:
-            raise ValueError("use_relaxed_acceptance_for_thinking needs "
-                             "begin_thinking_phase_token (and usually end_thinking_phase_token)")
-        if self.use_relaxed_acceptance_for_thinking and self.use_rejection_sampling:
-            raise ValueError("relaxed acceptance is for greedy requests; it cannot be combined "
-                             "with use_rejection_sampling")
-        _check_drafting_options(self)
-        _check_sa_options(self)
+        _check_bools(self, "use_mtp_vanilla")
 
 
 @dataclass
-class NGramConfig:
+class NGramConfig(SpeculativeConfig):
     """Model-free drafting by prompt lookup, for any target (docs/DECODING.md, "model-free
     drafts"): the tokens that followed the latest earlier occurrence of the longest
     matching n-gram of the request's tokens, n from max_matching_ngram_size down to
-    min_matching_ngram_size."""
+    min_matching_ngram_size. (Rejection sampling sees its drafts' q as one-hot.)"""
     max_draft_len: int = 3
     max_matching_ngram_size: int = 3
     min_matching_ngram_size: int = 1
-    draft_len_schedule: dict[int, int] | None = None   # {batch_size: K}
-    max_concurrency: int | None = None                 # == {N: max_draft_len}
-    use_rejection_sampling: bool = False               # q of n-gram drafts is one-hot
-    acceptance_window: int | None = None
-    acceptance_length_threshold: float | None = None
-    force_acceptance_length: float | None = None       # benchmarks only (tokens per step)
-    force_acceptance_rates: tuple[float, ...] | None = None   # benchmarks only
 
-    def __post_init__(self):
-        if self.draft_len_schedule == AUTO_DRAFT_LEN:
-            raise ValueError(f"draft_len_schedule={AUTO_DRAFT_LEN!r} needs a model drafter "
-                             "(Eagle3Config or MTPConfig); give NGramConfig a {batch_size: K} "
-                             "dict or None")
+    def _check_own(self):
         _check_int("max_draft_len", self.max_draft_len, 1, 32)
         _check_int("min_matching_ngram_size", self.min_matching_ngram_size, 1, 64)
         _check_int("max_matching_ngram_size", self.max_matching_ngram_size,
                    self.min_matching_ngram_size, 64)
-        if not isinstance(self.use_rejection_sampling, bool):
-            raise ValueError("use_rejection_sampling must be True or False, "
-                             f"got {self.use_rejection_sampling!r}")
-        _check_drafting_options(self)
+
+
+# vLLM's speculative_config dictionary: {"method", "model", "num_speculative_tokens", ...}
+SPEC_METHODS = {"eagle3": Eagle3Config, "mtp": MTPConfig, "ngram": NGramConfig}
+# vLLM's key -> the typed config's field, per method (every typed field is accepted too)
+VLLM_KEYS = {
+    "eagle3": {"model": "draft_model", "num_speculative_tokens": "max_draft_len"},
+    "mtp": {"num_speculative_tokens": "num_nextn_predict_layers"},
+    "ngram": {"num_speculative_tokens": "max_draft_len",
+              "prompt_lookup_max": "max_matching_ngram_size",
+              "prompt_lookup_min": "min_matching_ngram_size"},
+}
+
+
+def speculative_config_from_dict(spec: dict) -> SpeculativeConfig:
+    """The typed config of a vLLM-style dictionary, e.g. {"method": "eagle3", "model": PATH,
+    "num_speculative_tokens": 3}. Besides vLLM's keys, the typed config's own field names
+    are accepted (e.g. "use_dynamic_tree"); any other key is refused by name."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict or a config object, got {spec!r}")
+    method = spec.get("method")
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {sorted(SPEC_METHODS)}, "
+                         f"got {method!r}")
+    cls, renames = SPEC_METHODS[method], VLLM_KEYS[method]
+    fields = {name for name, f in cls.__dataclass_fields__.items() if f.init}
+    kwargs = {}
+    for key, value in spec.items():
+        if key == "method":
+            continue
+        if method == "mtp" and key == "model" and value is None:
+            continue        # (vLLM's MTP reads its layers from the target too)
+        name = renames.get(key, key)
+        if name not in fields:
+            allowed = sorted(set(renames) | fields)
+            raise ValueError(f"speculative_config key {key!r} is not known for method "
+                             f"{method!r}; allowed keys: method, {', '.join(allowed)}")
+        if name in kwargs:
+            raise ValueError(f"speculative_config gives {name} twice ({key!r} and its other "
+                             "name): pass one")
+        kwargs[name] = value
+    if cls is Eagle3Config and "draft_model" not in kwargs:
+        raise ValueError("speculative_config with method 'eagle3' needs 'model': the EAGLE-3 "
+                         "head directory")
+    return cls(**kwargs)
+
+
+def as_speculative_config(spec) -> SpeculativeConfig | None:
+    """None, a typed config as it is, or a vLLM-style dictionary mapped onto its config."""
+    if spec is None or isinstance(spec, SpeculativeConfig):
+        return spec
+    return speculative_config_from_dict(spec)

@@ -72,15 +72,6 @@ def interleaved_rounds(spec_llm, plain_llm, prompts, sp, rounds: int) -> dict:
             "tokens": sum(map(len, results["spec"][0]))}
 
 
-def set_draft_len(llm, k: int):
-    """Runs the following steps of llm (built with max_draft_len >= k) with k drafts,
-    capturing its CUDA graphs for k first where the engine graphs its steps."""
-    llm.engine.draft_len_fn = lambda num_requests: k
-    graphs = llm.engine.runner.graphs
-    if graphs is not None:
-        graphs.capture(k)
-
-
 def pick_draft_len(llm, prompts, max_tokens: int) -> tuple[int, dict[int, float]]:
     """The fastest K in DRAFT_LENS on this machine: each K decodes the prompts twice, the
     passes in opposite orders of K so a load that comes and goes hits every K alike; a K
@@ -90,7 +81,7 @@ def pick_draft_len(llm, prompts, max_tokens: int) -> tuple[int, dict[int, float]
     best: dict[int, float] = {}
     for order in (list(DRAFT_LENS), list(DRAFT_LENS)[::-1]):
         for k in order:
-            set_draft_len(llm, k)
+            llm.engine.set_draft_len(k)     # (its CUDA graphs captured first)
             best[k] = max(best.get(k, 0.0), timed_round(llm, prompts, sp)[1])
     return max(best, key=best.get), best
 
@@ -125,7 +116,7 @@ def positive_int(text: str) -> int:
 def choose_draft_len(llm, prompts, max_tokens: int) -> int:
     """pick_draft_len on the first two prompts, printed; leaves llm at the chosen K."""
     k, rates = pick_draft_len(llm, prompts[:2], max_tokens)
-    set_draft_len(llm, k)
+    llm.engine.set_draft_len(k)
     trials = ", ".join(f"K={j}: {r:.0f}" for j, r in sorted(rates.items()))
     print(f"\ndraft length: K={k}, the fastest here (speculative tok/s over a short trial: "
           f"{trials})")
@@ -145,7 +136,6 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="short run (CI): 2 prompts, 8 tokens")
     args = p.parse_args(argv)
     from onespec import LLM, Eagle3Config, SamplingParams
-    from onespec.engine.stats import SpecStats
     if not os.path.isfile(os.path.join(HEAD_DIR, "config.json")):
         print(f"onespec demo: the bundled head is missing from {HEAD_DIR}", file=sys.stderr)
         return 1
@@ -161,14 +151,14 @@ def main(argv=None) -> int:
     spec_llm = LLM(TARGET_DIR, speculative_config=spec, **kw)
     plain_llm = LLM(TARGET_DIR, **kw)
     device = spec_llm.engine.device
-    graphs = "CUDA graphs on" if spec_llm.engine.runner.graphs is not None else "eager"
+    graphs = "CUDA graphs on" if spec_llm.engine.uses_cuda_graphs else "eager"
     print(f"onespec demo: {model_summary(TARGET_DIR)} + EAGLE-3 head on {device} ({graphs}), "
           "greedy\n")
     stream(spec_llm, prompts, sp)                               # shown; also the warm-up
     timed_round(plain_llm, prompts, SamplingParams(max_tokens=4))
     k = args.k or choose_draft_len(spec_llm, prompts, 8 if args.smoke else TRIAL_TOKENS)
     # count the timed rounds alone: the streaming and the trials ran other draft lengths
-    spec_llm.engine.stats = SpecStats(spec_llm.engine.max_draft_len)
+    spec_llm.engine.reset_stats()
     run = interleaved_rounds(spec_llm, plain_llm, prompts, sp, args.rounds)
     stats = spec_llm.stats()
     steps, generated = stats["target_steps"], stats["num_generated_tokens"]

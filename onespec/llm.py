@@ -5,7 +5,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from onespec.config import Eagle3Config, EngineConfig
+from onespec.config import EngineConfig, SpeculativeConfig
 from onespec.engine.engine import Engine
 from onespec.engine.request import Request
 from onespec.outputs import CompletionOutput, RequestOutput
@@ -13,12 +13,21 @@ from onespec.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, speculative_config: Eagle3Config | None = None, **kwargs):
+    def __init__(self, model: str, speculative_config: SpeculativeConfig | dict | None = None,
+                 **kwargs):
+        """speculative_config: Eagle3Config, MTPConfig, NGramConfig, or vLLM's dictionary
+        ({"method": "eagle3" | "mtp" | "ngram", "model": PATH, "num_speculative_tokens": K,
+        ...}); kwargs: EngineConfig's fields."""
         unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown LLM arguments {sorted(unknown)}; allowed: "
                             f"{sorted(set(EngineConfig.__dataclass_fields__) - {'model'})}")
         self.engine = Engine(EngineConfig(model=model, **kwargs), speculative_config)
+        try:
+            self.engine.calibrate()          # the auto draft length's timings, if asked for
+        except BaseException:
+            self.engine.close()
+            raise
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
@@ -60,7 +69,8 @@ class LLM:
                              req.is_finished, req.metrics)
 
     def stats(self) -> dict:
-        return self.engine.stats.as_dict()
+        """The aggregate counters (SpecStats) and the scheduler's preemptions so far."""
+        return {**self.engine.stats.as_dict(), "num_preemptions": self.engine.num_preemptions}
 
     def close(self):
         """Stops the engine's tensor-parallel workers, if any (also at exit); idempotent."""

@@ -33,8 +33,8 @@ def main():
     args = p.parse_args()
     if args.cold:       # before Triton is imported
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")
-    from onespec.bench_cli import build_llm
-    from onespec.bench_models import write_model_dirs
+    from onespec.bench.decode import build_llm
+    from onespec.bench.models import write_model_dirs
     from onespec.engine import cuda_graph
     from onespec.engine.cuda_graph import CudaGraphRunner
     if args.threads:

@@ -26,7 +26,7 @@ from onespec.demo import HEAD_DIR, PROMPTS, TARGET_DIR  # noqa: E402
 
 def build(args) -> dict[str, tuple[LLM, int | str | None]]:
     """{name: (engine, K)}: one plain engine, one engine for every fixed K (its
-    draft_len_fn set per run), one with draft_len_schedule='auto'."""
+    set_draft_len per run), one with draft_len_schedule='auto'."""
     kw = dict(device=args.device, dtype="auto", max_batch_size=args.batch)
     head = dict(max_draft_len=args.max_k, draft_dtype="bfloat16")      # as `onespec demo`
     fixed = LLM(TARGET_DIR, speculative_config=Eagle3Config(HEAD_DIR, **head), **kw)
@@ -42,7 +42,7 @@ def run_once(llm: LLM, k, prompts, sp) -> tuple[list[list[int]], float, int]:
     """Decodes `prompts` in groups of the batch size. Returns (token ids, tok/s, target
     steps)."""
     if isinstance(k, int):
-        llm.engine.draft_len_fn = lambda num_requests: k
+        llm.engine.set_draft_len(k)
     steps0 = llm.stats()["target_steps"]
     start = time.perf_counter()
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]

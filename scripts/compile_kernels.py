@@ -146,7 +146,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     rows_n, rows_warps, rows_stages = ta.ROWS_CONFIG
 
     def capped(merge_rows):      # the splits of a launch whose programs merge these rows
-        return ta._num_splits(1, 1, 1, ta.SPLITS, 0, merge_rows)
+        return ta.num_splits(1, 1, 1, ta.SPLITS, 0, merge_rows)
     yield ("attention bf16 decode (split keys, 4-row verify packs)",
            ta._paged_attention_kernel, attn,
            {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": capped(16), "RPR": 4,

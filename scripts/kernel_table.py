@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import mean_ms  # noqa: E402
 
 from onespec import SamplingParams  # noqa: E402
-from onespec.bench_cli import build_llm, set_draft  # noqa: E402
-from onespec.bench_models import write_model_dirs  # noqa: E402
+from onespec.bench.decode import build_llm, set_draft  # noqa: E402
+from onespec.bench.models import write_model_dirs  # noqa: E402
 
 
 def main():

@@ -15,7 +15,7 @@ import tempfile
 import torch
 
 from onespec import LLM
-from onespec.bench_models import SHAPES, kv_bytes_per_token, write_model_dirs
+from onespec.bench.models import SHAPES, kv_bytes_per_token, write_model_dirs
 
 
 def main():

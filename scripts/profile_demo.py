@@ -67,7 +67,7 @@ def step_breakdown(llm, max_tokens: int) -> dict:
         return wrapper
 
     worker.target.forward = timed("target_forward", worker.target.forward)
-    worker._accept = timed("accept", worker._accept)
+    worker.acceptor.accept = timed("accept", worker.acceptor.accept)
     worker._propose = timed("draft_loop", worker._propose)
     eng.runner.prepare = timed("prepare_inputs", eng.runner.prepare)
     eng.step = timed("engine_step", eng.step)

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import mean_ms  # noqa: E402
 
 from onespec import SamplingParams  # noqa: E402
-from onespec.bench_cli import build_llm, set_draft  # noqa: E402
-from onespec.bench_models import write_model_dirs  # noqa: E402
+from onespec.bench.decode import build_llm, set_draft  # noqa: E402
+from onespec.bench.models import write_model_dirs  # noqa: E402
 
 MARK = "spin_kernel"
 
@@ -58,7 +58,7 @@ def install_markers(worker, labels: list[str]):
     t = worker.target
     t.forward = marked("target forward", t.forward)
     t.greedy_tokens = marked("target lm_head+argmax", t.greedy_tokens)
-    worker._accept = marked("accept", worker._accept)
+    worker.acceptor.accept = marked("accept", worker.acceptor.accept)
     if worker.drafter is not None:
         d = worker.drafter
         d.initial_hidden = marked("draft fc", d.initial_hidden)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from onespec import cli
-from onespec.bench_cli import main, spec_configs
+from onespec.bench.decode import main, spec_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN_KEYS = ("bench", "model", "weights", "dtype", "batch", "k", "forced_acceptance_length",
@@ -136,7 +136,7 @@ def test_bench_auto_and_rates_with_plot(tmp_path, capsys):
 
 
 def test_bench_plot_series_and_missing_matplotlib(monkeypatch, capsys):
-    from onespec import bench_plot
+    from onespec.bench import plot as bench_plot
     rows = [{"engine": "onespec", "batch": b, "k": k, "tok_s": t, "floor_ms": 1.0,
              "forced_acceptance_length": a, "forced_acceptance_rates": None}
             for b, k, t, a in ((1, 0, 10.0, 1.0), (2, 0, 18.0, 1.0), (1, 3, 20.0, 3.0),

@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 from onespec.kernels.chain import (chain_inputs, chain_inputs_reference,  # noqa: E402
                                    chain_tree_inputs)
+from onespec.speculative.shape import ChainShape, ResultsLayout, TreeShape  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,9 +34,9 @@ def test_chain_inputs_matches_reference(k):
                       torch.randint(1, k + 2, (b,), generator=g),           # accepted 1..k+1
                       torch.randint(0, 1000, (b * k,), generator=g)])
     want = inp.clone()
-    chain_inputs_reference(want, prev, offsets, b, k)
+    chain_inputs_reference(want, prev, offsets, ResultsLayout(b, k, k, False))
     got = inp.clone().to(DEV)
-    chain_inputs(got, prev.to(DEV), offsets, b, k)
+    chain_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, k, k, False))
     assert torch.equal(got.cpu(), want)
     # the reference itself: row 0 is row 2's last accepted token and its drafts
     num = int(prev[rows + 2])
@@ -79,7 +80,7 @@ def test_chain_tree_inputs(depth, nodes):
         p0 = offsets[2] + b * nodes + i * nodes
         want[p0:p0 + nodes] = parents
     got = inp.clone().to(DEV)
-    chain_tree_inputs(got, prev.to(DEV), offsets, b, depth, nodes)
+    chain_tree_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, depth, nodes, True))
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, inp)
 
@@ -97,5 +98,26 @@ def test_chain_tree_inputs_without_sources_ignore_stale_results():
     inp[offsets[4]:] = -1
     prev = torch.randint(100, 1000, (b * (depth + 2 + 2 * nodes),), generator=g)
     got = inp.clone().to(DEV)
-    chain_tree_inputs(got, prev.to(DEV), offsets, b, depth, nodes)
+    chain_tree_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, depth, nodes, True))
     assert torch.equal(got.cpu(), inp)
+
+
+def test_results_layout_packs_and_unpacks_what_the_shapes_say():
+    """accepted | counts | drafts | parents: a chain's without parents, a tree's with its
+    N nodes' parents, a tree's K = 0 step a chain's; unpack returns the real rows only."""
+    assert ChainShape().results_layout(4, 3) == ResultsLayout(4, 3, 3, False)
+    tree = TreeShape(depth=2, top_k=2, num_nodes=3)
+    layout = tree.results_layout(2, 2)
+    assert layout == ResultsLayout(2, 2, 3, True)
+    assert (layout.num_accepted_at, layout.drafts_at, layout.parents_at, layout.size) == \
+        (6, 8, 14, 20)
+    assert tree.results_layout(2, 0) == ResultsLayout(2, 0, 0, False)
+    accepted = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    flat = layout.pack(accepted, torch.tensor([2, 1]), torch.tensor([[7, 8, 9], [10, 11, 12]]),
+                       torch.tensor([[0, 1, 1], [0, 0, 2]]))
+    assert flat.tolist() == [1, 2, 3, 4, 5, 6, 2, 1, 7, 8, 9, 10, 11, 12, 0, 1, 1, 0, 0, 2]
+    assert layout.unpack(flat.tolist(), 1) == ([2], [[1, 2, 3]], [[7, 8, 9]], [[0, 1, 1]])
+    chain = ChainShape().results_layout(2, 1)
+    flat = chain.pack(torch.tensor([[1, 2], [3, 4]]), torch.tensor([1, 2]),
+                      torch.tensor([[5], [6]]))
+    assert chain.unpack(flat.tolist(), 2) == ([1, 2], [[1, 2], [3, 4]], [[5], [6]], None)

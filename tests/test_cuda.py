@@ -205,7 +205,7 @@ def test_capture_warm_up_in_threads(pair, k, monkeypatch):
         # threads: one warm-up per bucket on its own buffers, then the capture loop's two
         assert warmed.count(True) == (len(buckets) if threads > 1 else 0)
         assert warmed.count(False) == 2 * len(buckets)
-        assert not ta._tickets[torch.device("cuda", 0)].any()
+        assert ta.counters_clear(torch.device("cuda", 0))
         outs = llm.generate(PROMPTS, sp)
         runs.append([o.outputs[0].token_ids for o in outs])
         assert llm.engine.runner.graphs.num_replays > 0
@@ -342,7 +342,7 @@ def test_long_context_attention_split_matches_unsplit(dtype, batch, rows):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for got in outs:
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert not ta._tickets[q.device].any()
+    assert ta.counters_clear(q.device)
 
 
 @pytest.mark.parametrize("drafts", ["sa-enhancer", "ngram"])

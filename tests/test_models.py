@@ -103,7 +103,7 @@ def test_greedy_matches_transformers(tiny_models, arch, mode):
         assert out.outputs[0].token_ids == ref, f"{arch}/{mode}: prompt of {len(prompt)} tokens"
         assert out.outputs[0].finish_reason == "length"
     if mode == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.stats()["num_preemptions"] > 0
     assert_pool_full(llm)
 
 

@@ -52,7 +52,7 @@ def test_greedy_lossless(pair, k, engine_kw):
     llm = spec_llm(target, heads["safeailab"], k, **engine_kw)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
     if "num_kv_blocks" in engine_kw:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.stats()["num_preemptions"] > 0
     assert llm.stats()["num_draft_tokens"] > 0
     assert_pool_full(llm)
 
@@ -68,7 +68,7 @@ def test_schedule_cycling_k(pair):
         seen.append(cycle[len(seen) % len(cycle)])
         return seen[-1]
 
-    llm.engine.draft_len_fn = draft_len
+    llm.engine.set_draft_len(draft_len)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
     assert len(seen) > len(cycle)
     assert_pool_full(llm)
@@ -144,8 +144,8 @@ def test_draft_len_schedule_and_gate(pair):
     target, _, heads, plain = pair
     sched = LLM(target, device=TEST_DEVICE, dtype="float32", speculative_config=Eagle3Config(
         heads["safeailab"], max_draft_len=3, draft_len_schedule={2: 3, 4: 1}))
-    assert sched.engine.draft_len_fn(1) == 3 and sched.engine.draft_len_fn(3) == 1
-    assert sched.engine.draft_len_fn(5) == 0
+    assert sched.engine.draft_len(1) == 3 and sched.engine.draft_len(3) == 1
+    assert sched.engine.draft_len(5) == 0
     assert token_ids(sched.generate(PROMPTS, GREEDY)) == plain
     conc = Eagle3Config(heads["safeailab"], max_draft_len=2, max_concurrency=4)
     assert conc.draft_len_schedule == {4: 2}

@@ -478,7 +478,7 @@ def test_split_attention_rows_do_not_depend_on_the_batch():
                                        positions[i:i + 1], 0.2, bs,
                                        rows_per_request=rows_per_request)
             assert_same_bits(alone, together[i:i + 1])
-    assert not ta._tickets[q.device].any()
+    assert ta.counters_clear(q.device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -508,14 +508,14 @@ def test_pack_takes_the_largest_divisor_that_fits():
     """Rows of a request one program takes: all of them where they fit the tile; else the
     largest divisor of the request's rows that fits (a 32-node tree's 33 verify rows with
     4 query heads a kv head: 3 a program in 32-row tiles); 1 where no divisor but 1 fits."""
-    assert ta._pack(6, 3, 32) == 6
-    assert ta._pack(6, 3, 16) == 3
-    assert ta._pack(33, 4, 32) == 3
-    assert ta._pack(33, 4, 16) == 3
-    assert ta._pack(7, 4, 16) == 1
-    assert ta._pack(4, 8, 16) == 2
-    assert ta._pack(1, 4, 32) == 1
-    assert ta._pack(5, 32, 16) == 1          # a group wider than the tile: one row
+    assert ta.rows_per_program(6, 3, 32) == 6
+    assert ta.rows_per_program(6, 3, 16) == 3
+    assert ta.rows_per_program(33, 4, 32) == 3
+    assert ta.rows_per_program(33, 4, 16) == 3
+    assert ta.rows_per_program(7, 4, 16) == 1
+    assert ta.rows_per_program(4, 8, 16) == 2
+    assert ta.rows_per_program(1, 4, 32) == 1
+    assert ta.rows_per_program(5, 32, 16) == 1          # a group wider than the tile: one row
 
 
 def test_row_packs_cut_each_request_latest_first():
@@ -556,7 +556,7 @@ def test_prefill_row_packs_match_torch_and_unpacked(dtype, heads, kv_heads, head
     assert meta.row_packs(rows).shape[0] == sum(-(-n // rows) for n in q_lens)
     unpacked = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions,
                                   head_dim ** -0.5, bs, window, config=ta.PREFILL_CONFIG
-                                  if ta._wide(head_dim, dtype) else (32, 4, 2))
+                                  if ta.wide_tiles(head_dim, dtype) else (32, 4, 2))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
     if DEV == "cuda" and dtype == torch.bfloat16:
@@ -636,7 +636,7 @@ def test_tree_verify_attention_matches_torch(dtype, heads, kv_heads, head_dim, c
                                 bs, req_index, base, ancestors, **launch)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert not ta._tickets[q.device].any()
+    assert ta.counters_clear(q.device)
     # the mask matters: the rows with a sibling before them differ from causal attention
     plain = TRITON_OPS.cached_attention(q, kc, vc, build_attention_metadata(
         tables, q_lens, positions, bs, 0, None, "triton"), 0.2).float()
@@ -679,19 +679,19 @@ def test_num_splits_worked_examples():
     rows and prefill never."""
     programs = 2 * 132
     assert ta.SPLITS == 32 and ta.MERGE_SPLIT_ROWS == 256
-    assert ta._num_splits(1, 1, 8, 32, programs, 4) == 32
-    assert ta._num_splits(2, 1, 16, 32, programs, 4) == 16
-    assert ta._num_splits(4, 4, 8, 32, programs, 16) == 16
-    assert ta._num_splits(4, 4, 8, 32, 0, 16) == 16
-    assert ta._num_splits(8, 1, 64, 32, programs, 4) == 4
-    assert ta._num_splits(16, 1, 128, 32, programs, 4) == 2
-    assert ta._num_splits(8, 1, 64, 16, 0) == 16                     # (tests: as before)
-    assert ta._num_splits(32, 4, 8 * 8, 32, programs, 16) == 4
-    assert ta._num_splits(64, 4, 16 * 8, 16, programs) == 2
-    assert ta._num_splits(128, 4, 32 * 8, 16, programs) == 1
-    assert ta._num_splits(32, 1, 32 * 8, 16, programs) == 1
-    assert ta._num_splits(32, 0, 32 * 8, 16, programs) == 1
-    assert ta._num_splits(32, 4, 8 * 8, 16, 0) == 1                  # turned off
+    assert ta.num_splits(1, 1, 8, 32, programs, 4) == 32
+    assert ta.num_splits(2, 1, 16, 32, programs, 4) == 16
+    assert ta.num_splits(4, 4, 8, 32, programs, 16) == 16
+    assert ta.num_splits(4, 4, 8, 32, 0, 16) == 16
+    assert ta.num_splits(8, 1, 64, 32, programs, 4) == 4
+    assert ta.num_splits(16, 1, 128, 32, programs, 4) == 2
+    assert ta.num_splits(8, 1, 64, 16, 0) == 16                     # (tests: as before)
+    assert ta.num_splits(32, 4, 8 * 8, 32, programs, 16) == 4
+    assert ta.num_splits(64, 4, 16 * 8, 16, programs) == 2
+    assert ta.num_splits(128, 4, 32 * 8, 16, programs) == 1
+    assert ta.num_splits(32, 1, 32 * 8, 16, programs) == 1
+    assert ta.num_splits(32, 0, 32 * 8, 16, programs) == 1
+    assert ta.num_splits(32, 4, 8 * 8, 16, 0) == 1                  # turned off
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -706,14 +706,14 @@ def test_many_verify_rows_split_long_contexts(dtype):
                                     None, "torch")
     want = ops_for("torch").cached_attention(q, kc, vc, meta, 0.2).float()
     req = torch.arange(8, device=DEV).repeat_interleave(4)
-    assert ta._num_splits(32, 4, 8 * 2, ta.SPLITS, 64) == 4
+    assert ta.num_splits(32, 4, 8 * 2, ta.SPLITS, 64) == 4
     outs = [ta.paged_attention(q, kc, vc, tables, req, positions, 0.2, bs,
                                rows_per_request=4, split_programs=programs).float()
             for programs in (64, 0)]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got in outs:
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert not ta._tickets[q.device].any()
+    assert ta.counters_clear(q.device)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -22,7 +22,6 @@ import weakref
 
 import torch
 
-from onespec.config import AUTO_DRAFT_LEN
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 from onespec.distributed.layers import check_tensor_parallel
 from onespec.models.loader import read_config
@@ -66,17 +65,11 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def start_workers(config, speculative_config) -> "Workers | None":
     """The other ranks of a tensor-parallel engine (None for one rank), after checking
-    that the checkpoint, drafter and devices allow the split."""
+    that the checkpoint and devices allow the split."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
     check_tensor_parallel(read_config(config.model), size)
-    if getattr(speculative_config, "draft_len_schedule", None) == AUTO_DRAFT_LEN:
-        raise ValueError(f"tensor_parallel_size > 1 is not supported with draft_len_schedule="
-                         f"{AUTO_DRAFT_LEN!r} (its start-up timing runs on one rank); give a "
-                         "{batch_size: K} dict or None")
-    if getattr(speculative_config, "use_dynamic_tree", False):
-        raise ValueError("tensor_parallel_size > 1 is not supported with use_dynamic_tree")
     device = resolve_device(config.device)
     if device.type == "cuda":
         if device.index is not None:

@@ -59,13 +59,13 @@ def time_bucket(engine, batch_size: int, max_draft_len: int, rounds: int = ROUND
     reqs = [engine.add_request(p, sp, request_id=f"calibration-{batch_size}-{i}")
             for i, p in enumerate(prompts)]
     samples: dict[int, list[float]] = {k: [] for k in ks}
-    engine.draft_len_fn = lambda num_requests: max_draft_len     # the prefill steps
+    engine.set_draft_len(max_draft_len)     # the prefill steps
     try:
         while any(r.in_context for r in reqs) and not any(r.is_finished for r in reqs):
             engine.step()
         for _ in range(rounds):
             for k in ks:
-                engine.draft_len_fn = lambda num_requests, k=k: k
+                engine.set_draft_len(k)
                 for i in range(WARMUP_STEPS + TIMED_STEPS):
                     if engine.num_running() < batch_size or any(r.is_finished for r in reqs):
                         return None
@@ -107,7 +107,7 @@ def measure_step_times(engine, buckets: list[int], max_draft_len: int
 
 
 def build_policy(engine) -> DraftLenPolicy:
-    """Measures the table on `engine` (its draft_len_fn is left to the caller to set)."""
+    """Measures the table on `engine` (Engine.calibrate installs it)."""
     buckets = batch_buckets(engine.config.max_batch_size)
     return DraftLenPolicy(engine.max_draft_len,
                           measure_step_times(engine, buckets, engine.max_draft_len))

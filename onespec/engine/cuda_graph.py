@@ -122,26 +122,21 @@ class CudaGraphRunner:
         return 0, rows, 2 * rows, o_tables, o_src, o_src + b
 
     def _results_size(self, b: int, k: int) -> int:
-        """Length of a step's results for bucket b: accepted rows [b, k+1], accepted counts
-        [b], next drafts [b, D] (kernels/chain.py reads them in this order) and a tree's
-        parents [b, D]."""
-        drafts = self.shape.num_drafts(k) * (2 if self._is_tree(k) else 1)
-        return b * (k + 2 + drafts)
+        """Length of a step's results for bucket b (the shape's ResultsLayout)."""
+        return self.shape.results_layout(b, k).size
 
     def _step(self, b: int, k: int, buf: dict | None = None):
         """The graphed step: inputs from `dev` (rows with a chain source from `prev`),
         results to `prev` (of `buf`, by default draft length k's buffers)."""
         from onespec.kernels.chain import chain_inputs, chain_tree_inputs  # Triton: only
         buf = buf or self._buffers(k)                                      # where graphs run
-        if self._is_tree(k):
-            chain_tree_inputs(buf["dev"], buf["prev"], self._layout(b, k), b, k,
-                              self.tree.num_nodes)
+        results = self.shape.results_layout(b, k)
+        if results.has_parents:
+            chain_tree_inputs(buf["dev"], buf["prev"], self._layout(b, k), results)
         else:
-            chain_inputs(buf["dev"], buf["prev"], self._layout(b, k), b, k)
+            chain_inputs(buf["dev"], buf["prev"], self._layout(b, k), results)
         res = self.worker.step(self._inputs(b, k, buf["dev"]))
-        parents = [res.draft_parents.reshape(-1)] if self._is_tree(k) else []
-        out = torch.cat([res.accepted.reshape(-1), res.num_accepted, res.drafts.reshape(-1),
-                         *parents])
+        out = results.pack(res.accepted, res.num_accepted, res.drafts, res.draft_parents)
         buf["prev"][:out.numel()].copy_(out)
 
     def _inputs(self, b: int, k: int, dev: torch.Tensor, grammar=None) -> StepInputs:
@@ -306,19 +301,10 @@ class CudaGraphRunner:
         """Waits for a launched step; returns (num_accepted, accepted rows, drafts, a
         tree's parents or None) of its real requests."""
         k, b, n = step.batch.k, step.bucket, len(step.batch.generation)
-        nd = self.shape.num_drafts(k)
+        results = self.shape.results_layout(b, k)
         buf = self._buffers(k)
         buf["events"][step.slot].synchronize()          # the step's one sync
-        rows = b * (k + 1)
-        flat = buf["out"][step.slot][:self._results_size(b, k)].tolist()
-        accepted = [flat[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
-        num_acc = flat[rows:rows + n]
-        base = rows + b
-        next_drafts = [flat[base + i * nd:base + (i + 1) * nd] for i in range(n)]
-        base += b * nd
-        parents = [flat[base + i * nd:base + (i + 1) * nd] for i in range(n)] \
-            if self._is_tree(k) else None
-        return num_acc, accepted, next_drafts, parents
+        return results.unpack(buf["out"][step.slot][:results.size].tolist(), n)
 
     # ---- steps with grammar-constrained requests --------------------------------------
     def run_constrained(self, batch: ScheduledBatch, grammar: StepGrammar
@@ -335,11 +321,10 @@ class CudaGraphRunner:
         self._load_inputs(reqs, b, k)
         cg.masks.set_verify(grammar)
         cg.verify.replay()
-        rows = b * (k + 1)
-        head = cg.results[:rows + b].tolist()                    # waits for the verify
-        accepted = [head[i * (k + 1):(i + 1) * (k + 1)] for i in range(n)]
-        num_acc = head[rows:rows + n]
-        drafts = cg.results[rows + b:].view(b, k)
+        results = self.shape.results_layout(b, k)
+        head = cg.results[:results.drafts_at].tolist()          # waits for the verify
+        num_acc, accepted, _, _ = results.unpack(head, n)
+        drafts = cg.results[results.drafts_at:results.parents_at].view(b, k)
         mask = grammar.start([], accepted, num_acc) if k else None
         used = []
         for j, graph in enumerate(cg.drafts):
@@ -368,9 +353,9 @@ class CudaGraphRunner:
         self._fill_inputs([], b, k, buf["host"][0])              # all padding
         buf["dev"][:end].copy_(buf["host"][0][:end])
         masks = GraphMasks(b, k, self.worker.target.config.vocab_size, self.device)
-        results = torch.zeros(self._results_size(b, k), dtype=torch.int64, device=self.device)
-        rows = b * (k + 1)
-        drafts = results[rows + b:].view(b, k)
+        layout = self.shape.results_layout(b, k)
+        results = torch.zeros(layout.size, dtype=torch.int64, device=self.device)
+        drafts = results[layout.drafts_at:layout.parents_at].view(b, k)
 
         def segments(graphs=None):
             """Runs the verify and each draft step, each captured into graphs[i] if given."""
@@ -383,7 +368,7 @@ class CudaGraphRunner:
             def verify():      # the inputs' metadata is built in the graph: it follows them
                 inp = self._inputs(b, k, buf["dev"], masks)
                 _, accepted, num_accepted, loop = self.worker.verify(inp)
-                results[:rows + b].copy_(torch.cat([accepted.reshape(-1), num_accepted]))
+                results[:layout.drafts_at].copy_(torch.cat([accepted.reshape(-1), num_accepted]))
                 return inp, loop
 
             inp, loop = run(0, verify)

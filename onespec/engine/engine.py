@@ -7,7 +7,10 @@ import time
 
 import torch
 
-from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.combinations import (GRAMMAR, check_combinations, engine_features, graphs_allowed,
+                                  spec_features)
+from onespec.config import (AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig,
+                            SpeculativeConfig, as_speculative_config)
 from onespec.distributed import TensorParallel, WorkerFailure
 from onespec.distributed.layers import tensor_parallel_ops
 from onespec.distributed.workers import DriverWorker, start_workers
@@ -36,6 +39,7 @@ from onespec.speculative.host_drafts import NGramDrafter, make_host_drafter, rec
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.thinking import ThinkingPhase
+from onespec.speculative.acceptors import ForcedAcceptor, make_acceptor
 from onespec.speculative.worker import SpecWorker
 from onespec.structured.backend import GrammarBackend
 
@@ -53,6 +57,12 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
     return ScheduledBatch(ctx, gen[:m], k), ScheduledBatch([], gen[m:], k)
 
 
+def _check_draft_len(k: int, max_draft_len: int):
+    if not isinstance(k, int) or not 0 <= k <= max_draft_len:
+        raise ValueError(f"draft length must be an integer in [0, max_draft_len = "
+                         f"{max_draft_len}], got {k!r}")
+
+
 def _tree_shape(sc) -> TreeShape | None:
     """The dynamic tree an EAGLE-3 config asks for, or None (chains)."""
     if not isinstance(sc, Eagle3Config) or not sc.use_dynamic_tree:
@@ -62,12 +72,20 @@ def _tree_shape(sc) -> TreeShape | None:
 
 class Engine:
     def __init__(self, config: EngineConfig,
-                 speculative_config: Eagle3Config | MTPConfig | NGramConfig | None = None,
+                 speculative_config: SpeculativeConfig | dict | None = None,
                  parallel: TensorParallel | None = None):
-        """parallel: this rank's group when the engine is a tensor-parallel worker (rank
-        > 0); with tensor_parallel_size > 1 and none given, this engine is the driver
-        (rank 0) and starts the other ranks (distributed/workers.py)."""
+        """speculative_config: a typed config or vLLM's dictionary form. parallel: this
+        rank's group when the engine is a tensor-parallel worker (rank > 0); with
+        tensor_parallel_size > 1 and none given, this engine is the driver (rank 0) and
+        starts the other ranks (distributed/workers.py)."""
+        speculative_config = as_speculative_config(speculative_config)
         self.config, self.spec_config = config, speculative_config
+        # the features in play, their pairs checked once (combinations.py) before any rank
+        # starts; the target's own (its window) are added once its config is read
+        target_cls = target_class(read_config(config.model)) \
+            if config.attention_backend == "triton" else None     # (its tree masks)
+        self.features = spec_features(speculative_config) | engine_features(config, target_cls)
+        check_combinations(self.features)
         self.workers = start_workers(config, speculative_config) if parallel is None else None
         self.parallel = self.workers.group if self.workers else parallel
         try:
@@ -96,6 +114,8 @@ class Engine:
                                  self.parallel)
         self.tokenizer = load_tokenizer(config.model)
         mcfg = self.model.config
+        self.features |= engine_features(config, sliding_window=mcfg.sliding_window)
+        check_combinations(self.features)
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
@@ -115,7 +135,7 @@ class Engine:
                              f"(max_draft_len + 1, or max_total_draft_tokens + 1 for a tree), "
                              f"got {config.max_num_tokens}")
         if self.tree is not None:
-            self._check_tree(drafter, mcfg)
+            self._check_tree(drafter)
         max_positions = self.max_model_len + 2 * k + 2
         self.model.setup_rotary(max_positions, self.device)
         target_layers = [layer.self_attn for layer in self.model.model.layers]
@@ -135,21 +155,14 @@ class Engine:
                                    self.shape)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sc = speculative_config
-        relaxed = isinstance(sc, MTPConfig) and sc.use_relaxed_acceptance_for_thinking
+        relaxed = sc is not None and sc.use_relaxed_acceptance_for_thinking
         self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,
                                       sc.relaxed_delta) if relaxed else None
-        worker = SpecWorker(self.model, drafter,
-                            use_rejection_sampling=bool(sc and sc.use_rejection_sampling),
-                            force_acceptance_length=sc.force_acceptance_length if sc else None,
-                            generator=self.generator, attn_backend=backend,
-                            relaxed_topk=sc.relaxed_topk if relaxed else None,
-                            force_acceptance_rates=sc.force_acceptance_rates if sc else None,
-                            tree=self.tree)
+        self.acceptor = make_acceptor(sc)       # the acceptance rule, for the engine's life
+        worker = SpecWorker(self.model, drafter, self.acceptor, self.generator, backend,
+                            self.tree)
         graphs = None
-        if config.cuda_graphs and self.kernel_settings.triton and \
-                not worker.use_rejection_sampling and not self._several_ranks:
-            # (rejection sampling runs eagerly: no graphs are captured for it; nor are
-            # they on several ranks, whose replays would have to be mirrored rank by rank)
+        if config.cuda_graphs and self.kernel_settings.triton and graphs_allowed(self.features):
             graphs = CudaGraphRunner(worker, config.block_size,
                                      -(-max_positions // config.block_size), num_blocks,
                                      config.max_batch_size, self.device, mcfg.sliding_window)
@@ -158,22 +171,18 @@ class Engine:
         self.runner = ModelRunner(DriverWorker(worker, self.workers) if self.workers else worker,
                                   config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs, self.grammars)
-        auto = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
+        self.auto_draft_len = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
         if graphs is not None:       # auto may choose any K: every one is captured now
-            for graph_k in (range(k + 1) if auto else [k]):
+            for graph_k in (range(k + 1) if self.auto_draft_len else [k]):
                 graphs.capture(graph_k)
         self.gate = SpeculationGate(sc.acceptance_window if sc else None,
                                     sc.acceptance_length_threshold if sc else None)
         self.stats = SpecStats(k)
-        self.draft_len_fn = self._default_draft_len
+        self._fixed_draft_len = None  # set_draft_len: a K, or a function of the batch size
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
-        self.policy = None           # DraftLenPolicy with draft_len_schedule="auto"
-        if auto:                     # times dummy steps: counters start after them
-            self.policy = build_policy(self)
-            self.stats = SpecStats(k, self.policy)
-            self.draft_len_fn = self._auto_draft_len
+        self.policy = None           # DraftLenPolicy with draft_len_schedule="auto" (calibrate)
         if self.workers:
             self.workers.wait_ready()
 
@@ -181,6 +190,71 @@ class Engine:
         """Stops the tensor-parallel workers (nothing to do on one rank); idempotent."""
         if self.workers is not None:
             self.workers.shutdown()
+
+    # ---- draft length and acceptance: set by the engine's owner, never from outside ----
+    def calibrate(self):
+        """With draft_len_schedule="auto": measures the step-time table of the auto draft
+        length on this machine (calibrate.py) by stepping dummy requests, then chooses K
+        per step from it. Taken once, after the engine is built and before its first
+        request (LLM does it when it is built; add_request does it otherwise); the
+        counters start after it. Nothing to do otherwise, or once done."""
+        if not self.auto_draft_len or self.policy is not None or self._calibrating:
+            return
+        self._calibrating = True
+        try:
+            policy = build_policy(self)
+        finally:
+            self._calibrating = False
+            self._fixed_draft_len = None
+        self.policy = policy
+        self.reset_stats()
+
+    _calibrating = False
+
+    def set_draft_len(self, k):
+        """Runs the following steps with draft length k (0..max_draft_len), or with k(batch
+        size) if k is a function; None: back to the config's schedule. Where steps replay
+        CUDA graphs, a fixed K's are captured first."""
+        if isinstance(k, int):
+            _check_draft_len(k, self.max_draft_len)
+            graphs = self.runner.graphs
+            if graphs is not None:
+                graphs.capture(k)
+        self._fixed_draft_len = k
+
+    def set_forced_acceptance(self, length: float | None, rates: tuple[float, ...] | None = None):
+        """Benchmarks: the forced acceptance of the following steps, on an engine whose
+        config forces acceptance (its acceptor is ForcedAcceptor, chosen at build)."""
+        if not isinstance(self.acceptor, ForcedAcceptor):
+            raise ValueError("set_forced_acceptance needs an engine built with "
+                             "force_acceptance_length or force_acceptance_rates")
+        self.acceptor.set(length, rates)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether generation steps replay CUDA graphs (engine/cuda_graph.py)."""
+        return self.runner.graphs is not None
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (their blocks freed to let others run)."""
+        return self.scheduler.num_preemptions
+
+    def reset_stats(self):
+        """Starts the aggregate counters (LLM.stats) afresh."""
+        self.stats = SpecStats(self.max_draft_len, self.policy)
+
+    def draft_len(self, batch_size: int) -> int:
+        """The draft length of a step of `batch_size` candidate requests."""
+        fixed = self._fixed_draft_len
+        if fixed is not None:
+            return fixed if isinstance(fixed, int) else fixed(batch_size)
+        if self.policy is not None:
+            return self.policy.choose(batch_size) if self.gate.enabled else 0
+        if self.spec_config is None or not self.gate.enabled:
+            return 0
+        return draft_len_for_batch(self.spec_config.draft_len_schedule, self.max_draft_len,
+                                   batch_size)
 
     # ---- set-up ------------------------------------------------------------------------
     def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
@@ -250,14 +324,9 @@ class Engine:
         backend = self.config.attention_backend
         target_cls = target_class(read_config(self.config.model))
         portable_only = not target_cls.supports_triton
-        if self.tree is not None:
-            tree_masks = getattr(target_cls, "triton_tree_masks", False)
-            if backend == "triton" and not tree_masks:   # MLA's kernel has no tree masks
-                raise ValueError(f"attention_backend='triton' has no tree masks for "
-                                 f"{target_cls.__name__}; use_dynamic_tree runs on "
-                                 "attention_backend='torch' there")
-            if backend == "auto" and not tree_masks:
-                return "torch"
+        if self.tree is not None and backend == "auto" and \
+                not getattr(target_cls, "triton_tree_masks", False):
+            return "torch"                       # (MLA's kernel has no tree masks)
         if backend == "auto":       # (several ranks: the portable path unless asked)
             backend = "triton" if self.device.type == "cuda" and not portable_only \
                 and not self._several_ranks else "torch"
@@ -268,21 +337,10 @@ class Engine:
                              f"{target_cls.__name__}; use 'torch'")
         return backend
 
-    def _check_tree(self, drafter, mcfg):
-        if mcfg.sliding_window is not None:
-            raise ValueError("use_dynamic_tree does not support targets with a sliding window")
+    def _check_tree(self, drafter):
         if self.tree.top_k > drafter.draft_vocab_size:
             raise ValueError(f"dynamic_tree_max_topK must be <= the head's draft vocabulary "
                              f"({drafter.draft_vocab_size}), got {self.tree.top_k}")
-
-    def _default_draft_len(self, batch_size: int) -> int:
-        if self.spec_config is None or not self.gate.enabled:
-            return 0
-        return draft_len_for_batch(self.spec_config.draft_len_schedule, self.max_draft_len,
-                                   batch_size)
-
-    def _auto_draft_len(self, batch_size: int) -> int:
-        return self.policy.choose(batch_size) if self.gate.enabled else 0
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -307,6 +365,7 @@ class Engine:
         """Queues one request. cache_salt: its prefix-cache namespace (only requests with
         the same salt share cached blocks); compiled_grammar: the xgrammar grammar of its
         structured_outputs when the caller compiled it already (the server does)."""
+        self.calibrate()
         sp = sampling_params or SamplingParams()
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
@@ -333,11 +392,7 @@ class Engine:
 
     def check_structured_outputs(self):
         """A ValueError if this engine cannot constrain outputs (asked before any compile)."""
-        if self.tree is not None:
-            raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
-                             "(tree drafts are not grammar-masked); use chain drafting")
-        if self.parallel:
-            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
+        check_combinations(self.features | {GRAMMAR})
 
     def abort(self, request_id: str):
         req = self.requests.pop(request_id, None)
@@ -362,7 +417,7 @@ class Engine:
         start = time.perf_counter()
         try:
             if self._inflight is None:
-                k = self.draft_len_fn(self.scheduler.num_candidates)
+                k = self.draft_len(self.scheduler.num_candidates)
                 batch = self.scheduler.schedule(k)
                 if not batch.requests:
                     return []
@@ -445,7 +500,7 @@ class Engine:
         if sched.waiting or len(sched.running) != len(reqs) or \
                 any(r.status != RequestStatus.RUNNING for r in reqs):
             return None
-        k = self.draft_len_fn(sched.num_candidates)
+        k = self.draft_len(sched.num_candidates)
         batch = ScheduledBatch([], list(reqs), k)
         if not self.runner.can_follow(current, batch):
             return None

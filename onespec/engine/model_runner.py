@@ -169,7 +169,7 @@ class ModelRunner:
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
             max_kv_draft=max_kv + (tree.num_draft_slots if tree else k),
             block_size=self.block_size,
-            relaxed_delta=None if self.worker.relaxed_topk is None else torch.tensor(
+            relaxed_delta=None if not self.worker.acceptor.uses_thinking_phase else torch.tensor(
                 [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
                  for r in batch.generation], dtype=torch.float32, device=dev),
             grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)

@@ -91,6 +91,12 @@ def _ticket_counters(device, n: int) -> torch.Tensor:
     return t
 
 
+def counters_clear(device) -> bool:
+    """Whether the launches on `device` (at least one) left its ticket counters zero."""
+    t = _tickets.get(torch.device(device))
+    return t is not None and not bool(t.any())
+
+
 @triton.jit
 def _first_tile(split, t_lo, SPLITS: tl.constexpr):
     """The first key tile >= t_lo that belongs to `split` (tiles t with t % SPLITS == split)."""
@@ -361,7 +367,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _pack(rpr: int, group: int, limit: int) -> int:
+def rows_per_program(rpr: int, group: int, limit: int) -> int:
     """Rows of a request one program takes: the largest divisor of rpr whose (row, query
     head) rows fit `limit` tile rows (all rpr where they fit; a 32-node tree's 33 verify
     rows of a Llama-3 kv group of 4 heads: 3, so each key tile is read 11 times, not 33)."""
@@ -370,7 +376,7 @@ def _pack(rpr: int, group: int, limit: int) -> int:
     return max(p for p in range(1, rpr + 1) if rpr % p == 0 and p * group <= max(limit, group))
 
 
-def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
+def num_splits(num_rows: int, rpr: int, units: int, splits: int,
                 split_programs: int, merge_rows: int = 1) -> int:
     """Splits of a launch: for decode-sized launches and for launches of more uniform rows
     (0 < rpr <= MAX_SPLIT_ROWS), the largest power of two <= splits keeping units x
@@ -392,7 +398,7 @@ def _num_splits(num_rows: int, rpr: int, units: int, splits: int,
 def prefill_pack_rows(group: int, head_dim: int, dtype: torch.dtype) -> int:
     """Rows of a request one prefill program takes (see row_packs), for `group` query heads
     a kv head: PREFILL_TILE_ROWS tile rows (half for float32 or heads wider than 128)."""
-    tile = PREFILL_TILE_ROWS if _wide(head_dim, dtype) else PREFILL_TILE_ROWS // 2
+    tile = PREFILL_TILE_ROWS if wide_tiles(head_dim, dtype) else PREFILL_TILE_ROWS // 2
     return max(tile // triton.next_power_of_2(group), 1)
 
 
@@ -410,7 +416,7 @@ def row_packs(q_lens, rows: int, device) -> torch.Tensor | None:
     return torch.tensor(packs, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _wide(head_dim: int, dtype: torch.dtype) -> bool:
+def wide_tiles(head_dim: int, dtype: torch.dtype) -> bool:
     """16-bit heads of up to 128: the wide tilings (float32 tiles need twice the smem)."""
     return head_dim <= 128 and dtype.itemsize <= 2
 
@@ -460,9 +466,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     if split_programs is None:
         split_programs = PROGRAMS_PER_SM * _sm_count(q.device)
     # split launches pack only into the tile one row uses
-    split_pack = _pack(rpr, group, group_pad)
+    split_pack = rows_per_program(rpr, group, group_pad)
     units = num_rows // split_pack * num_kv_heads
-    splits = _num_splits(num_rows, rpr, units, splits, split_programs,
+    splits = num_splits(num_rows, rpr, units, splits, split_programs,
                          triton.next_power_of_2(split_pack * group))
     pack_rows = prefill_pack_rows(group, head_dim, q.dtype)
     pack_table = packs(pack_rows) if packs is not None and splits == 1 and rpr == 0 else None
@@ -471,7 +477,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         # other rows of unknown count: 256-key tiles (swept on an H200 for prefill chunks
         # before they packed: at 256..1024 positions 5.5..17 us per 8B-shape layer vs
         # 8.6..32 with 64)
-        wide = _wide(head_dim, q.dtype)
+        wide = wide_tiles(head_dim, q.dtype)
         narrow = 64 if head_dim <= 128 else 32
         if varlen:
             config = PREFILL_CONFIG if wide else (32, 4, 2)
@@ -483,7 +489,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     if varlen:
         pack = pack_rows
     else:
-        pack = split_pack if splits > 1 else _pack(rpr, group, max(group_pad, pack_tile_rows))
+        pack = split_pack if splits > 1 else rows_per_program(rpr, group, max(group_pad, pack_tile_rows))
     group_pad = max(group_pad, triton.next_power_of_2(pack * group))
     units = (pack_table.shape[0] if varlen else num_rows // pack) * num_kv_heads
     if splits > 1:       # per (row, kv head, split): acc [G, D] and (m, l) [2, G], float32

@@ -6,8 +6,8 @@ those results are: the first row's token is the last accepted one, the other row
 new drafts, and every position moves on by the number of tokens step n accepted.
 
 Both live in flat int64 buffers laid out by CudaGraphRunner._layout (engine/cuda_graph.py;
-the inputs) and as [accepted (b, k+1) | num_accepted (b) | drafts (b, k)] (the previous
-step's results).
+the inputs) and by the step shape's ResultsLayout (speculative/shape.py; the previous
+step's results: accepted, counts, drafts and a tree's parents, read at its offsets).
 """
 from __future__ import annotations
 
@@ -15,18 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from onespec.speculative.shape import ResultsLayout
+
 
 @triton.jit
-def _chain_kernel(INP, PREV, o_ids, o_pos, o_drafts, o_src, b,
+def _chain_kernel(INP, PREV, o_ids, o_pos, o_drafts, o_src, o_num, o_prev_drafts,
                   K: tl.constexpr, ROW_PAD: tl.constexpr):
     i = tl.program_id(0)
     j = tl.load(INP + o_src + i)          # the previous step's request row, -1: host inputs
     if j >= 0:
-        rows = b * (K + 1)
         c = tl.arange(0, ROW_PAD)
-        num = tl.load(PREV + rows + j)
+        num = tl.load(PREV + o_num + j)
         last = tl.load(PREV + j * (K + 1) + num - 1)
-        drafts = PREV + rows + b + j * K
+        drafts = PREV + o_prev_drafts + j * K
         shifted = tl.load(drafts + c - 1, mask=(c >= 1) & (c <= K), other=0)
         tl.store(INP + o_ids + i * (K + 1) + c, tl.where(c == 0, last, shifted), mask=c <= K)
         pos = INP + o_pos + i * (K + 1) + c
@@ -34,27 +35,28 @@ def _chain_kernel(INP, PREV, o_ids, o_pos, o_drafts, o_src, b,
         tl.store(INP + o_drafts + i * K + c, tl.load(drafts + c, mask=c < K), mask=c < K)
 
 
-def chain_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...], b: int,
-                 k: int):
+def chain_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+                 results: ResultsLayout):
     """In place on inp: each request row i with source j = inp[o_src + i] >= 0 takes
     ids [last accepted of j, drafts of j], drafts of j, and its positions + num_accepted[j]
     (the host wrote j's positions of the previous step there). offsets: (ids, pos, drafts,
-    tables, src, end) as CudaGraphRunner._layout gives them."""
+    tables, src, end) as CudaGraphRunner._layout gives them; results: prev's layout."""
     o_ids, o_pos, o_drafts, _, o_src, _ = offsets
-    _chain_kernel[(b,)](inp, prev, o_ids, o_pos, o_drafts, o_src, b, K=k,
-                        ROW_PAD=max(2, triton.next_power_of_2(k + 1)), num_warps=1)
+    k = results.k
+    _chain_kernel[(results.b,)](inp, prev, o_ids, o_pos, o_drafts, o_src,
+                                results.num_accepted_at, results.drafts_at, K=k,
+                                ROW_PAD=max(2, triton.next_power_of_2(k + 1)), num_warps=1)
 
 
 def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
-                           b: int, k: int):
+                           results: ResultsLayout):
     """chain_inputs in PyTorch (tests)."""
     o_ids, o_pos, o_drafts, _, o_src, _ = offsets
-    rows = b * (k + 1)
+    b, k = results.b, results.k
     ids = inp[o_ids:o_pos].view(b, k + 1)
     pos = inp[o_pos:o_drafts].view(b, k + 1)
     drafts = inp[o_drafts:o_drafts + b * k].view(b, k)
-    accepted = prev[:rows].view(b, k + 1)
-    num, prev_drafts = prev[rows:rows + b], prev[rows + b:rows + b + b * k].view(b, k)
+    accepted, num, prev_drafts, _ = _views(prev, results)
     for i, j in enumerate(inp[o_src:o_src + b].tolist()):
         if j < 0:
             continue
@@ -65,8 +67,18 @@ def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple
         pos[i] += n
 
 
-def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...], b: int,
-                      k: int, num_nodes: int):
+def _views(prev: torch.Tensor, results: ResultsLayout):
+    """accepted [b, K+1], num_accepted [b], drafts [b, D] and parents [b, D] (or None) of
+    a step's flat results."""
+    b, k, nd = results.b, results.k, results.num_drafts
+    return (prev[:results.num_accepted_at].view(b, k + 1),
+            prev[results.num_accepted_at:results.drafts_at],
+            prev[results.drafts_at:results.parents_at].view(b, nd),
+            prev[results.parents_at:results.size].view(b, nd) if results.has_parents else None)
+
+
+def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+                      results: ResultsLayout):
     """chain_inputs for tree steps of depth k and num_nodes nodes, in PyTorch operations
     (no host sync: graph-capturable, and runs on any device). The inputs hold ids and
     positions [b, N+1], nodes [b, N], then their parents [b, N]; the previous step's
@@ -74,16 +86,17 @@ def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int,
     source j >= 0 takes ids [last accepted of j, nodes of j], j's nodes and parents, and
     its positions + num_accepted[j]; other rows keep the host's inputs."""
     o_ids, o_pos, o_drafts, o_tables, o_src, end = offsets
-    n, r, rows = num_nodes, num_nodes + 1, b * (k + 1)
+    b, k, n = results.b, results.k, results.num_drafts
+    r = n + 1
     src = inp[o_src:end]
     has = (src >= 0)[:, None]
     j = src.clamp(min=0)
-    num = prev[rows:rows + b][j]                                           # [b]
+    accepted, counts, prev_nodes, prev_parents = _views(prev, results)
+    num = counts[j]                                                        # [b]
     # (a row without a source may read a count another bucket's step left there: clamped,
     # so the gather stays in range; its value is dropped below)
-    last = prev[:rows].view(b, k + 1)[j].gather(1, (num - 1).clamp(0, k)[:, None])
-    nodes = prev[rows + b:rows + b + b * n].view(b, n)[j]
-    parents = prev[rows + b + b * n:rows + b + 2 * b * n].view(b, n)[j]
+    last = accepted[j].gather(1, (num - 1).clamp(0, k)[:, None])
+    nodes, parents = prev_nodes[j], prev_parents[j]
     ids = inp[o_ids:o_pos].view(b, r)
     ids.copy_(torch.where(has, torch.cat([last, nodes], 1), ids))
     pos = inp[o_pos:o_drafts].view(b, r)

@@ -11,12 +11,9 @@ them, so draft step 0 and everything after treat the block as a chain's.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from onespec.layers.sampler import sample
 from onespec.speculative.shape import TreeShape
-from onespec.speculative.tree import (compact_cache, compact_rows, forced_tree_accept,
-                                      tree_accept)
+from onespec.speculative.tree import compact_cache, compact_rows
 from onespec.speculative.tree_draft import draft_tree
 
 
@@ -25,18 +22,16 @@ def tree_step(worker, inp, shape: TreeShape):
     with K = shape.depth. Returns (context_tokens [Bc], accepted [Bg, D+1],
     num_accepted [Bg], drafts [Bd, N], parents [Bd, N])."""
     tree = inp.tree
-    capture = worker.drafter.capture_layers
     positions, meta = (tree.positions, tree.meta) if tree is not None else \
         (inp.positions, inp.meta)
-    hidden, captured = worker.target(inp.input_ids, positions, meta, capture)
+    hidden, captured = worker.verify_rows(inp, positions, meta)
     rows = hidden[inp.logit_rows]
-    st = inp.row_sampling
-    sampled = worker._target_greedy(rows, None) if st.all_greedy else \
-        sample(worker._target_logits(rows, None), st, worker.generator)      # [R]
+    sampled = worker.verifier.tokens(rows, inp.row_sampling, None)                   # [R]
     bc, bg, width = inp.num_ctx, inp.num_gen, shape.num_nodes + 1
     context_tokens = sampled[:bc]
     if bg:
-        accepted, num_accepted, path = _accept(worker, inp, shape, sampled[bc:].view(bg, width))
+        accepted, num_accepted, path = worker.acceptor.accept_tree(
+            inp, shape.depth, sampled[bc:].view(bg, width))
         base = inp.positions[inp.gen_start::width]                          # [Bg] P
         compact_cache([layer.self_attn for layer in worker.target.model.layers],
                       inp.block_tables[bc:], base, path, inp.block_size)
@@ -47,8 +42,8 @@ def tree_step(worker, inp, shape: TreeShape):
     else:
         empty = torch.empty(0, shape.depth + 1, dtype=torch.int64, device=rows.device)
         accepted, num_accepted, step0 = empty, empty[:, 0], empty
-    h = worker._first_pass(inp, hidden, captured, context_tokens, step0)
-    h, pos, block_tables = worker._roots(inp, h, num_accepted, width)
+    h = worker.first_pass(inp, hidden, captured, context_tokens, step0)
+    h, pos, block_tables = worker.roots(inp, h, num_accepted, width)
     if h.shape[0] == 0:            # only chunks that do not end their prompt: no drafts
         none = torch.empty(0, shape.num_nodes, dtype=torch.int64, device=rows.device)
         return context_tokens, accepted, num_accepted, none, none
@@ -56,12 +51,3 @@ def tree_step(worker, inp, shape: TreeShape):
                                  inp.max_kv_draft, worker.attn_backend)
     return context_tokens, accepted, num_accepted, drafts, parents
 
-
-def _accept(worker, inp, shape: TreeShape, target: Tensor):
-    """target [Bg, N+1]: the target's token at each verify row (argmax or exact-match
-    sample). Returns accepted [Bg, D+1], num_accepted [Bg], path [Bg, D+1]."""
-    tree = inp.tree
-    if worker._forcing(inp.num_gen):
-        forced = worker._forced_num_accepted(inp.num_gen, shape.depth, target.device)
-        return forced_tree_accept(tree.ancestors, target, shape.depth, forced)
-    return tree_accept(inp.draft_tokens, tree.parents, tree.ancestors, target, shape.depth)

@@ -14,9 +14,7 @@ from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata
                                       build_attention_metadata)
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
-from onespec.speculative.acceptance import (forced_num_accepted, forced_num_accepted_by_rates,
-                                            forced_run, rejection_accept, relaxed_accept,
-                                            strict_accept)
+from onespec.speculative.acceptors import StrictAcceptor
 from onespec.speculative.drafter import Drafter
 from onespec.speculative.shape import TreeShape
 from onespec.speculative.tree import TreeInputs
@@ -78,23 +76,63 @@ class StepResults:
     draft_parents: torch.Tensor | None = None  # [Bd, N] parent of each drafted node (trees)
 
 
+class Verifier:
+    """The target's side of acceptance: the logits, greedy tokens and samples of hidden
+    rows [R, H], grammar-masked rows masked. Acceptors (acceptors.py) read it."""
+
+    def __init__(self, target, generator=None):
+        self.target = target
+        self.generator = generator           # for rows of unseeded requests
+
+    def logits(self, rows, mask: RowMask | None):                            # [R, V]
+        logits = self.target.compute_logits(rows)
+        if mask is not None:
+            logits = logits.float()
+            logits[mask.index] = masked_logits(logits[mask.index], mask.bitmask)
+        return logits
+
+    def greedy(self, rows, mask: RowMask | None):                            # [R]
+        """The fused argmax for free rows, the argmax of masked logits for constrained ones."""
+        if mask is None:
+            return self.target.greedy_tokens(rows)
+        tokens = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+        if mask.free.numel():
+            tokens[mask.free] = self.target.greedy_tokens(rows[mask.free])
+        logits = self.target.compute_logits(rows[mask.index])
+        tokens[mask.index] = masked_logits(logits, mask.bitmask).argmax(-1)
+        return tokens
+
+    def tokens(self, rows, st: SamplingTensors, mask: RowMask | None):       # [R]
+        """The target's token of each row: greedy, or sampled with the rows' settings."""
+        if st.all_greedy:
+            return self.greedy(rows, mask)
+        return sample(self.logits(rows, mask), st, self.generator)
+
+
 class SpecWorker:
-    def __init__(self, target, drafter: Drafter | None = None, use_rejection_sampling: bool = False,
-                 force_acceptance_length: float | None = None, generator=None,
-                 attn_backend: str = "torch", relaxed_topk: int | None = None,
-                 force_acceptance_rates: tuple[float, ...] | None = None,
-                 tree: TreeShape | None = None):
+    """One speculative step on this rank: the step shape's verify -> accept -> draft
+    (steps.py), the acceptance rule chosen once at build (acceptors.py)."""
+
+    def __init__(self, target, drafter: Drafter | None = None,
+                 acceptor: StrictAcceptor | None = None, generator=None,
+                 attn_backend: str = "torch", tree: TreeShape | None = None):
         self.target, self.drafter = target, drafter
         self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
-        self.relaxed_topk = relaxed_topk      # relaxed acceptance for greedy batches
-        self.use_rejection_sampling = use_rejection_sampling
-        self.force_acceptance_length = force_acceptance_length
-        self.force_acceptance_rates = force_acceptance_rates   # per draft position
-        self._rate_tensors: dict[tuple, torch.Tensor] = {}
-        self.generator = generator           # for rows of unseeded requests
+        self.acceptor = acceptor or StrictAcceptor()
+        self.verifier = Verifier(target, generator)
+        self.generator = generator
         self.attn_backend = attn_backend
-        self.step_counter = None              # [] int64 on the device (graph-safe)
         self._vocab_ids = drafter.draft_vocab_target_ids() if drafter else None
+
+    @property
+    def use_rejection_sampling(self) -> bool:
+        """Drafts are sampled from q and their q kept (the rejection-sampling acceptor)."""
+        return self.acceptor.needs_draft_probs
+
+    @property
+    def forced_key(self) -> tuple:
+        """What a graph of a step bakes in of the acceptor (the graphs are keyed by it)."""
+        return self.acceptor.graph_key
 
     @torch.inference_mode()
     def step(self, inp: StepInputs) -> StepResults:
@@ -108,106 +146,17 @@ class SpecWorker:
         if self.tree is not None and inp.k:
             ctx, accepted, num_accepted, drafts, parents = tree_step(self, inp, self.tree)
             return StepResults(ctx, accepted, num_accepted, drafts, None, draft_parents=parents)
+        hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
+        acc = self.acceptor.accept(self.verifier, inp, hidden[inp.logit_rows])
+        drafts, draft_probs = self._propose(inp, hidden, captured, acc.context_tokens,
+                                            acc.accepted, acc.num_accepted)
+        return StepResults(acc.context_tokens, acc.accepted, acc.num_accepted, drafts,
+                           draft_probs, acc.relaxed)
+
+    def verify_rows(self, inp: StepInputs, positions, meta):
+        """The target over the step's rows: hidden [T, H] and the drafter's captured layers."""
         capture = self.drafter.capture_layers if self.drafter else ()
-        hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta, capture)
-        rows = hidden[inp.logit_rows]
-        if self._relaxing(inp):
-            context_tokens, accepted, num_accepted, relaxed = self._accept_relaxed(inp, rows)
-        else:
-            context_tokens, accepted, num_accepted = self._accept(inp, rows)
-            relaxed = None
-        drafts, draft_probs = self._propose(inp, hidden, captured, context_tokens, accepted,
-                                            num_accepted)
-        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs, relaxed)
-
-    # ---- acceptance --------------------------------------------------------------------
-    def _accept(self, inp: StepInputs, rows):
-        """rows [R, H]: the target's hidden rows whose next tokens are sampled."""
-        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
-        st = inp.row_sampling
-        mask = inp.grammar.verify if inp.grammar is not None else None
-        if self.use_rejection_sampling and bg and k:
-            logits = self._target_logits(rows, mask)                                 # [R, V]
-            probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)   # [R, V]
-            tokens = sample_from_probs(probs[:bc], self.generator, st.seeded_head(bc))
-            target_probs = probs[bc:].view(bg, k + 1, -1)
-            accepted, num_accepted = rejection_accept(
-                inp.draft_tokens, inp.draft_probs, target_probs,
-                inp.gen_sampling.seeded, self.generator)
-        else:
-            sampled = self._target_greedy(rows, mask) if st.all_greedy else \
-                sample(self._target_logits(rows, mask), st, self.generator)          # [R]
-            tokens = sampled[:bc]
-            accepted, num_accepted = sampled[bc:].view(bg, k + 1), None
-            if not self._forcing(bg):       # (a forced count needs no comparison)
-                accepted, num_accepted = strict_accept(inp.draft_tokens, accepted)
-        if self._forcing(bg):
-            num_accepted = self._forced_num_accepted(bg, k, rows.device)
-            if inp.grammar is not None and k:   # emit the drafts the grammar allows, then
-                valid = inp.grammar.valid_drafts_on(rows.device)                    # the
-                num_accepted = torch.minimum(num_accepted, valid + 1)         # target's
-                accepted = forced_run(inp.draft_tokens, accepted, num_accepted)
-        return tokens, accepted, num_accepted
-
-    def _target_logits(self, rows, mask: RowMask | None):
-        """The target's logits of hidden rows [R, H], grammar-masked rows masked: [R, V]."""
-        logits = self.target.compute_logits(rows)
-        if mask is not None:
-            logits = logits.float()
-            logits[mask.index] = masked_logits(logits[mask.index], mask.bitmask)
-        return logits
-
-    def _target_greedy(self, rows, mask: RowMask | None):
-        """Greedy tokens of hidden rows [R, H] -> [R]: the fused argmax for free rows, the
-        argmax of masked logits for constrained ones."""
-        if mask is None:
-            return self.target.greedy_tokens(rows)
-        tokens = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-        if mask.free.numel():
-            tokens[mask.free] = self.target.greedy_tokens(rows[mask.free])
-        logits = self.target.compute_logits(rows[mask.index])
-        tokens[mask.index] = masked_logits(logits, mask.bitmask).argmax(-1)
-        return tokens
-
-    def _relaxing(self, inp: StepInputs) -> bool:
-        return (inp.relaxed_delta is not None and inp.num_gen > 0 and inp.k > 0
-                and inp.row_sampling.all_greedy and not self._forcing(inp.num_gen))
-
-    def _accept_relaxed(self, inp: StepInputs, rows):
-        """Greedy acceptance with relaxed_accept; returns the [Bg, K] relaxed-only mask too."""
-        bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
-        if inp.grammar is not None and inp.grammar.verify is not None:
-            logits = self._target_logits(rows, inp.grammar.verify)                   # [R, V]
-            tokens, logits = logits[:bc].argmax(-1), logits[bc:].view(bg, k + 1, -1)
-        else:
-            tokens = self.target.greedy_tokens(rows[:bc])                            # [Bc]
-            logits = self.target.compute_logits(rows[bc:]).view(bg, k + 1, -1)       # [Bg, K+1, V]
-        accepted, num_accepted, relaxed = relaxed_accept(inp.draft_tokens, logits,
-                                                         inp.relaxed_delta, self.relaxed_topk)
-        return tokens, accepted, num_accepted, relaxed
-
-    def _forced_num_accepted(self, bg: int, k: int, device):                 # [Bg] int64
-        """The forced counts of this step (the step counter lives on the device)."""
-        if self.step_counter is None:
-            self.step_counter = torch.zeros((), dtype=torch.int64, device=device)
-        self.step_counter.add_(1)
-        if self.force_acceptance_rates is None:
-            return forced_num_accepted(self.force_acceptance_length, bg, k, self.step_counter,
-                                       device)
-        key = (self.force_acceptance_rates, str(device))
-        if key not in self._rate_tensors:    # built outside graph capture (warm-up runs first)
-            self._rate_tensors[key] = torch.tensor(self.force_acceptance_rates,
-                                                   dtype=torch.float32, device=device)
-        return forced_num_accepted_by_rates(self._rate_tensors[key], bg, k, self.step_counter)
-
-    @property
-    def forced_key(self) -> tuple:
-        """What forced acceptance a graph bakes in (the graphs are keyed by it)."""
-        return self.force_acceptance_length, self.force_acceptance_rates
-
-    def _forcing(self, num_gen: int) -> bool:
-        return num_gen > 0 and (self.force_acceptance_length is not None
-                                or self.force_acceptance_rates is not None)
+        return self.target(inp.input_ids, positions, meta, capture)
 
     # ---- draft loop --------------------------------------------------------------------
     def _propose(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
@@ -228,11 +177,11 @@ class SpecWorker:
         """The step up to the draft loop, for callers that drive the loop with draft_next
         themselves (the constrained CUDA-graph step): target verify, acceptance, draft step
         0's forward. Returns (context tokens, accepted, accepted counts, DraftLoop | None)."""
-        hidden, captured = self.target(inp.input_ids, inp.positions, inp.meta,
-                                       self.drafter.capture_layers if self.drafter else ())
-        context_tokens, accepted, num_accepted = self._accept(inp, hidden[inp.logit_rows])
-        loop = self.draft_begin(inp, hidden, captured, context_tokens, accepted, num_accepted)
-        return context_tokens, accepted, num_accepted, loop
+        hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
+        acc = self.acceptor.accept(self.verifier, inp, hidden[inp.logit_rows])
+        loop = self.draft_begin(inp, hidden, captured, acc.context_tokens, acc.accepted,
+                                acc.num_accepted)
+        return acc.context_tokens, acc.accepted, acc.num_accepted, loop
 
     def draft_begin(self, inp: StepInputs, hidden, captured, context_tokens, accepted,
                     num_accepted) -> DraftLoop | None:
@@ -242,10 +191,10 @@ class SpecWorker:
         prompt)."""
         if self.drafter is None:
             return None
-        h = self._first_pass(inp, hidden, captured, context_tokens, accepted)
+        h = self.first_pass(inp, hidden, captured, context_tokens, accepted)
         if inp.k == 0 or len(inp.draft_reqs) == 0:
             return None
-        return DraftLoop(*self._roots(inp, h, num_accepted, inp.k + 1))
+        return DraftLoop(*self.roots(inp, h, num_accepted, inp.k + 1))
 
     def draft_next(self, inp: StepInputs, loop: DraftLoop, step: int,
                    mask: RowMask | None) -> torch.Tensor:
@@ -263,7 +212,7 @@ class SpecWorker:
         loop.probs.append(q)
         return token
 
-    def _first_pass(self, inp: StepInputs, hidden, captured, context_tokens, accepted):
+    def first_pass(self, inp: StepInputs, hidden, captured, context_tokens, accepted):
         """Draft step 0 over every row (shifted-by-one inputs), writing draft KV for every
         position; accepted [Bg, rows of a generation request]. Returns its hidden [T, H]."""
         if inp.num_ctx:
@@ -276,7 +225,7 @@ class SpecWorker:
         h = self.drafter.initial_hidden(captured, hidden)
         return self.drafter.forward(ids, inp.positions, h, inp.meta)           # [T, H]
 
-    def _roots(self, inp: StepInputs, h, num_accepted, rows_per_gen: int):
+    def roots(self, inp: StepInputs, h, num_accepted, rows_per_gen: int):
         """The step-0 rows the drafting requests continue from (a context chunk's last row,
         a generation request's last accepted row): hidden [Bd, H], positions [Bd] and the
         requests' block tables [Bd, nb]."""

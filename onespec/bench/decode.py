@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from onespec.bench_hf import run_hf
-from onespec.bench_models import (SHAPES, copy_bandwidth, release_memory, shape_label,
+from onespec.bench.hf import run_hf
+from onespec.bench.models import (SHAPES, copy_bandwidth, release_memory, shape_label,
                                   step_floor_parts, sync, write_model_dirs)
-from onespec.bench_moe import MTP_SHAPES
+from onespec.bench.moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
 from onespec.speculative.cost_model import expected_tokens
 from onespec.speculative.shape import ChainShape, TreeShape
@@ -122,7 +122,7 @@ def parse_args(argv):
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
     if args.plot:
-        from onespec.bench_plot import check_matplotlib
+        from onespec.bench.plot import check_matplotlib
         check_matplotlib(p.error)
     return args
 
@@ -216,10 +216,9 @@ def set_draft(engine, k: int | str, acceptance: float | None, rates=None):
     """Runs every following step with draft length k (or the engine's auto policy) and
     forced acceptance on an engine built with max_draft_len >= k (one engine serves every K)."""
     if k != AUTO_DRAFT_LEN:
-        engine.draft_len_fn = lambda num_requests: k
+        engine.set_draft_len(k)
     if engine.drafter is not None:
-        engine.runner.worker.force_acceptance_length = None if rates else acceptance
-        engine.runner.worker.force_acceptance_rates = rates
+        engine.set_forced_acceptance(None if rates else acceptance, rates)
 
 
 def num_timed_steps(gen_len: int, acceptance: float) -> int:
@@ -417,7 +416,7 @@ def main(argv=None) -> int:
     hf_best = run_hf(args, bandwidth, emit) if args.hf else {}
     run_onespec(args, bandwidth, emit, hf_best)
     if args.plot:
-        from onespec.bench_plot import plot_throughput
+        from onespec.bench.plot import plot_throughput
         plot_throughput(rows, args.plot, f"{label} on {device_name}, {args.dtype}")
         print(f"[plot written to {args.plot}]", file=sys.stderr)
     print(f"[bench done in {time.perf_counter() - start:.1f} s]", file=sys.stderr)

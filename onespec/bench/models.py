@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from onespec.bench_moe import MTP_SHAPES, is_moe, moe_step_bytes, mtp_target_config
+from onespec.bench.moe import MTP_SHAPES, is_moe, moe_step_bytes, mtp_target_config
 from onespec.speculative.mtp import MTPDrafter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from onespec.bench_cli import (SHAPES, make_emitter, release_memory, shape_label, sync,
+from onespec.bench.decode import (SHAPES, make_emitter, release_memory, shape_label, sync,
                                write_model_dirs)
 
 

@@ -8,8 +8,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from onespec.bench_models import release_memory, target_config
-from onespec.bench_moe import hf_weight_bytes
+from onespec.bench.models import release_memory, target_config
+from onespec.bench.moe import hf_weight_bytes
 
 
 def build_hf_model(config: dict, device: str, dtype: torch.dtype):

@@ -58,7 +58,7 @@ def _layer_bytes(module, rows: int, top_k: int) -> float:
 
 def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
                    target_kv_per_token: int, head_kv_per_token: int) -> dict[str, float]:
-    """As bench_models.step_bytes, for an MoE target drafted by its MTP layer: the target's
+    """As models.step_bytes, for an MoE target drafted by its MTP layer: the target's
     layers over batch (K+1) rows, the MTP layer over the same rows at step 0 and one row per
     request in each of the K-1 later passes, the LM head once per pass."""
     rows, top_k = batch * (k + 1), model.config.num_experts_per_tok

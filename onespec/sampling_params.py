@@ -11,6 +11,8 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MIN_TEMPERATURE = 1e-5
 # Above this the distribution is uniform to float32 precision anyway.
 MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024              # logit_bias entries per request
 
 
 def _is_int(value) -> bool:
@@ -45,6 +47,15 @@ class SamplingParams:
                      vocabulary)
     structured_outputs  None, or a StructuredOutputsParams: the output follows its JSON
                      schema, regex, choice or grammar and ends ("stop") when it is complete
+    Logit processors (layers/processors.py), applied to the target's logits in this order
+    before temperature, top-k and top-p:
+    logit_bias       {token id: bias in [-100, 100]}, added to the logits (at most 1024)
+    min_tokens       integer >= 0: end-of-sequence and stop_token_ids are not emitted
+                     before this many output tokens
+    repetition_penalty  number in (0, 10]; 1 = off: logits of tokens in the prompt or the
+                     output so far are divided by it where positive, multiplied where not
+    frequency_penalty, presence_penalty  numbers in [-2, 2]; 0 = off: OpenAI's penalties,
+                     subtracted per occurrence in the output / once per token in it
     Booleans are not integers here, and strings are not numbers.
     """
     max_tokens: int = 16
@@ -55,6 +66,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -88,6 +104,38 @@ class SamplingParams:
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise ValueError("structured_outputs must be None or a StructuredOutputsParams, "
                              f"got {type(self.structured_outputs).__name__}")
+        self._check_processors()
+
+    def _check_processors(self):
+        r = self.repetition_penalty
+        if not (_is_number(r) and 0.0 < r <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be a number in (0, "
+                             f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {r!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (_is_number(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+            setattr(self, name, float(v))
+        self.repetition_penalty = float(r)
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} "
+                                 "{token id: bias} entries")
+            for t, b in bias.items():
+                if not (_is_int(t) and 0 <= t <= INT64_MAX):
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+                if not (_is_number(b) and -100.0 <= b <= 100.0):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], "
+                                     f"got {b!r} for token {t}")
+            self.logit_bias = {t: float(b) for t, b in bias.items()} or None
+        _check_int("min_tokens", self.min_tokens, 0)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logit processor is on (such requests decode eagerly)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or
+                    self.presence_penalty or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

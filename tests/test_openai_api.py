@@ -235,3 +235,27 @@ def test_auto_tool_choice_with_a_parser_answers_content(tmp_path):
             assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
     finally:
         llm.close()
+
+
+# ---- logit processors ----------------------------------------------------------------------
+def test_logit_processors_through_the_client_equal_offline_decoding(server, client):
+    """logit_bias banning the token greedy decoding picks, penalties and min_tokens, sent by
+    the openai client to the speculating server, give offline plain decoding's tokens."""
+    from onespec import LLM, SamplingParams
+    prompt = PROMPTS[0]
+    free = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    banned = free.choices[0].token_ids[0]
+    fields = dict(logit_bias={str(banned): -100}, presence_penalty=0.5, frequency_penalty=0.8)
+    extra = dict(repetition_penalty=1.2, min_tokens=4, return_token_ids=True)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body=extra, **fields)
+    offline = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2)
+    try:
+        sp = SamplingParams(max_tokens=16, logit_bias={banned: -100.0}, presence_penalty=0.5,
+                            frequency_penalty=0.8, repetition_penalty=1.2, min_tokens=4)
+        expected = offline.generate(prompt, sp)[0].outputs[0].token_ids
+    finally:
+        offline.close()
+    assert r.choices[0].token_ids == expected and banned not in expected
+    assert r.model_extra["onespec"]["num_draft_tokens"] > 0         # it did speculate

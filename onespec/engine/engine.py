@@ -170,7 +170,8 @@ class Engine:
         self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self.runner = ModelRunner(DriverWorker(worker, self.workers) if self.workers else worker,
                                   config.block_size, self.device, mcfg.vocab_size,
-                                  mcfg.sliding_window, graphs, self.grammars)
+                                  mcfg.sliding_window, graphs, self.grammars,
+                                  mcfg.eos_token_ids)
         self.auto_draft_len = drafter is not None and sc.draft_len_schedule == AUTO_DRAFT_LEN
         if graphs is not None:       # auto may choose any K: every one is captured now
             for graph_k in (range(k + 1) if self.auto_draft_len else [k]):
@@ -373,6 +374,11 @@ class Engine:
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
+        bad = [t for t in sp.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
+        if sp.has_processors:
+            self.check_logit_processors()
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
@@ -393,6 +399,16 @@ class Engine:
     def check_structured_outputs(self):
         """A ValueError if this engine cannot constrain outputs (asked before any compile)."""
         check_combinations(self.features | {GRAMMAR})
+
+    def check_logit_processors(self):
+        """A ValueError if this engine cannot apply logit processors (penalties,
+        logit_bias, min_tokens) to a request's verify rows."""
+        if self.tree is not None:
+            raise ValueError("logit processors (penalties, logit_bias, min_tokens) cannot be "
+                             "used with use_dynamic_tree yet; use chain drafting")
+        if self.parallel:
+            raise ValueError("logit processors (penalties, logit_bias, min_tokens) are not "
+                             "supported with tensor_parallel_size > 1 yet")
 
     def abort(self, request_id: str):
         req = self.requests.pop(request_id, None)

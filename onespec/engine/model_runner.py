@@ -6,6 +6,7 @@ import torch
 
 from onespec.engine.cuda_graph import PendingStep
 from onespec.engine.request import Request
+from onespec.layers.processors import RowHistory, build_row_processors
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
@@ -26,10 +27,21 @@ def drafting_requests(batch: ScheduledBatch) -> list[int]:
         list(range(num_ctx, num_ctx + len(batch.generation)))
 
 
+def _history(req: Request, drafts_before: list[int]) -> RowHistory | None:
+    """A logit row's processor history (None without processors): the output plain
+    decoding would have at that row, drafts before it included (layers/processors.py)."""
+    sp = req.sampling_params
+    if not sp.has_processors:
+        return None
+    return RowHistory(sp, req.prompt_token_ids, req.output_token_ids + drafts_before)
+
+
 class ModelRunner:
     def __init__(self, worker: SpecWorker, block_size: int, device, vocab_size: int,
-                 sliding_window: int | None = None, graphs=None, grammar_backend=None):
+                 sliding_window: int | None = None, graphs=None, grammar_backend=None,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.worker = worker
+        self.eos_token_ids = tuple(eos_token_ids)     # what min_tokens holds back
         self.graphs = graphs          # CudaGraphRunner or None
         self.greedy = GreedySampling(device)
         self.block_size = block_size
@@ -115,6 +127,7 @@ class ModelRunner:
         ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
         draft_ctx_rows = []
         row_params, row_pos = [], []       # per logit row: params, position of its token
+        histories = []                     # per logit row: its processors' history or None
         for c in batch.context:
             tokens = c.req.token_ids
             end = c.start + c.length
@@ -128,6 +141,7 @@ class ModelRunner:
             logit_rows.append(len(ids) - 1)
             row_params.append(c.req.sampling_params)
             row_pos.append(end)
+            histories.append(_history(c.req, []))
         gen_start = len(ids)
         draft_rows, tree_parents, rotary = [], [], list(pos)
         for req in batch.generation:
@@ -144,6 +158,7 @@ class ModelRunner:
             q_lens.append(rows)
             row_params += [req.sampling_params] * rows
             row_pos += [p + o + 1 for o in offsets]
+            histories += [_history(req, drafts[:j]) for j in range(rows)]
         reqs = batch.requests
         draft_reqs = drafting_requests(batch)
         dev = self.device
@@ -176,6 +191,7 @@ class ModelRunner:
             if StepGrammar.needed(batch) else None,
             tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary))
             if tree and batch.generation else None,
+            processors=build_row_processors(histories, self.eos_token_ids, dev),
         )
 
     def _verified_drafts(self, req: Request, k: int) -> tuple[list[int], list[int] | None]:

@@ -134,9 +134,8 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     best_of: int | None = None
-    # fields that change the output and that this server does not implement yet: refused
-    # unless neutral (a server that ignored them would answer something else than asked)
-    logit_bias: dict | None = None
+    # logit processors (OpenAI's, and vLLM's repetition_penalty and min_tokens)
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -230,14 +229,10 @@ class _GenerationRequest(_Strict):
             raise APIError(f"best_of must equal n ({self.num_samples}) on this server: "
                            "ranking more samples needs their log-probabilities, which it does "
                            f"not compute yet; got {self.best_of}", param="best_of")
-        neutral = {"logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                   "repetition_penalty": 1.0, "min_tokens": 0}
-        for name, value in neutral.items():
-            given = getattr(self, name)
-            if given is not None and given != value:
-                raise APIError(f"{name} is not supported by this server yet (only "
-                               f"{value!r}, which changes nothing); leave it out",
-                               param=name)
+        for key in self.logit_bias or {}:
+            if not (key.isdigit() and len(key) < 19):
+                raise APIError(f"logit_bias keys must be token ids (as strings), got {key!r}",
+                               param="logit_bias")
 
     def sampling_params(self, default_max_tokens: int,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -246,10 +241,13 @@ class _GenerationRequest(_Strict):
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                       ignore_eos=self.ignore_eos, structured_outputs=structured,
                       stop_token_ids=self.stop_token_ids or [], seed=self.seed)
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

@@ -455,7 +455,8 @@ class OpenAIServing:
                                        compiled_grammar=job.compiled_grammar)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
-            raise APIError(str(e), param=field if field == "stop_token_ids" else None) from None
+            raise APIError(str(e), param=field if field in ("stop_token_ids", "logit_bias")
+                           else None) from None
         except EngineError as e:
             raise APIError(str(e), status=503) from None
 

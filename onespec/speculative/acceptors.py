@@ -42,7 +42,7 @@ class StrictAcceptor:
         """target: the Verifier (worker.py); rows [R, H]: the hidden rows whose next tokens
         are chosen (context chunks' last rows, then K+1 per generation request)."""
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
-        sampled = target.tokens(rows, inp.row_sampling, _verify_mask(inp))          # [R]
+        sampled = target.tokens(rows, inp.row_sampling, _verify_mask(inp), inp.processors)
         accepted = sampled[bc:].view(bg, k + 1)
         return Acceptance(sampled[:bc], *self._count(inp, accepted))
 
@@ -67,7 +67,7 @@ class RejectionAcceptor(StrictAcceptor):
         if not (bg and k):
             return super().accept(target, inp, rows)
         st = inp.row_sampling
-        logits = target.logits(rows, _verify_mask(inp))                               # [R, V]
+        logits = target.logits(rows, _verify_mask(inp), inp.processors)             # [R, V]
         probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p)         # [R, V]
         tokens = sample_from_probs(probs[:bc], target.generator, st.seeded_head(bc))
         accepted, num_accepted = rejection_accept(
@@ -90,8 +90,8 @@ class RelaxedAcceptor(StrictAcceptor):
         if not (inp.relaxed_delta is not None and bg and k and inp.row_sampling.all_greedy):
             return super().accept(target, inp, rows)
         mask = _verify_mask(inp)
-        if mask is not None:
-            logits = target.logits(rows, mask)                                       # [R, V]
+        if mask is not None or inp.processors is not None:
+            logits = target.logits(rows, mask, inp.processors)                       # [R, V]
             tokens, logits = logits[:bc].argmax(-1), logits[bc:].view(bg, k + 1, -1)
         else:
             tokens = target.greedy(rows[:bc], None)                                  # [Bc]

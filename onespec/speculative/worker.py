@@ -12,6 +12,7 @@ import torch
 
 from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
                                       build_attention_metadata)
+from onespec.layers.processors import RowProcessors
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
 from onespec.speculative.acceptors import StrictAcceptor
@@ -47,6 +48,7 @@ class StepInputs:
     relaxed_delta: torch.Tensor | None = None  # [Bg] thinking delta (relaxed acceptance)
     grammar: StepGrammar | None = None   # masks of constrained requests (structured outputs)
     tree: TreeInputs | None = None       # tree verify of the generation requests (trees)
+    processors: RowProcessors | None = None  # logit rows with logit processors
 
 
 @dataclass
@@ -84,15 +86,22 @@ class Verifier:
         self.target = target
         self.generator = generator           # for rows of unseeded requests
 
-    def logits(self, rows, mask: RowMask | None):                            # [R, V]
+    def logits(self, rows, mask: RowMask | None,
+               proc: RowProcessors | None = None):                            # [R, V]
+        """The rows' logits, processed (logit processors) and then masked (grammars)."""
         logits = self.target.compute_logits(rows)
+        if proc is not None:
+            logits = logits.float()
+            logits[proc.index] = proc.apply(logits[proc.index])
         if mask is not None:
             logits = logits.float()
             logits[mask.index] = masked_logits(logits[mask.index], mask.bitmask)
         return logits
 
-    def greedy(self, rows, mask: RowMask | None):                            # [R]
+    def greedy(self, rows, mask: RowMask | None, proc: RowProcessors | None = None):  # [R]
         """The fused argmax for free rows, the argmax of masked logits for constrained ones."""
+        if proc is not None:
+            return self.logits(rows, mask, proc).argmax(-1)
         if mask is None:
             return self.target.greedy_tokens(rows)
         tokens = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
@@ -102,11 +111,12 @@ class Verifier:
         tokens[mask.index] = masked_logits(logits, mask.bitmask).argmax(-1)
         return tokens
 
-    def tokens(self, rows, st: SamplingTensors, mask: RowMask | None):       # [R]
+    def tokens(self, rows, st: SamplingTensors, mask: RowMask | None,
+               proc: RowProcessors | None = None):                            # [R]
         """The target's token of each row: greedy, or sampled with the rows' settings."""
         if st.all_greedy:
-            return self.greedy(rows, mask)
-        return sample(self.logits(rows, mask), st, self.generator)
+            return self.greedy(rows, mask, proc)
+        return sample(self.logits(rows, mask, proc), st, self.generator)
 
 
 class SpecWorker:

@@ -64,9 +64,20 @@ class LLM:
 
     def to_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
         out = CompletionOutput(0, self.decode(req.output_token_ids), list(req.output_token_ids),
-                               req.finish_reason)
+                               req.finish_reason, self._decoded(req.logprobs))
+        prompt_logprobs = None if req.prompt_logprobs is None else \
+            [None, *self._decoded(req.prompt_logprobs)]
         return RequestOutput(req.request_id, prompt, list(req.prompt_token_ids), [out],
-                             req.is_finished, req.metrics)
+                             req.is_finished, req.metrics, prompt_logprobs)
+
+    def _decoded(self, entries: list[dict] | None) -> list[dict] | None:
+        """Log-probability entries with each token's text filled in (with a tokenizer)."""
+        if entries is None or self.tokenizer is None:
+            return entries
+        for entry in entries:
+            for token, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token])
+        return entries
 
     def stats(self) -> dict:
         """The aggregate counters (SpecStats) and the scheduler's preemptions so far."""

@@ -12,6 +12,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    # SamplingParams(logprobs=N): per output token, {token id: Logprob} of the token and the
+    # N likeliest (layers/logprobs.py)
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -22,6 +25,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # SamplingParams(prompt_logprobs=N): None for the first prompt token, then as above
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:

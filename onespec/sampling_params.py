@@ -13,6 +13,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024              # logit_bias entries per request
+MAX_LOGPROBS = 20                  # top log-probabilities returned per token
 
 
 def _is_int(value) -> bool:
@@ -56,6 +57,11 @@ class SamplingParams:
                      output so far are divided by it where positive, multiplied where not
     frequency_penalty, presence_penalty  numbers in [-2, 2]; 0 = off: OpenAI's penalties,
                      subtracted per occurrence in the output / once per token in it
+    logprobs         None, or an integer in [0, 20]: with each output token, its
+                     log-probability, rank and the `logprobs` likeliest tokens' (the target's
+                     raw distribution: before processors, temperature, top-k and top-p)
+    prompt_logprobs  None, or an integer in [0, 20]: the same for each prompt token after
+                     the first (such a request does not read the prefix cache)
     Booleans are not integers here, and strings are not numbers.
     """
     max_tokens: int = 16
@@ -71,6 +77,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -130,6 +138,18 @@ class SamplingParams:
                                      f"got {b!r} for token {t}")
             self.logit_bias = {t: float(b) for t, b in bias.items()} or None
         _check_int("min_tokens", self.min_tokens, 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (_is_int(v) and 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {v!r}")
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its rows need the full logits (processors, log-probabilities): such
+        requests decode eagerly, outside CUDA graphs."""
+        return self.has_processors or self.logprobs is not None or \
+            self.prompt_logprobs is not None
 
     @property
     def has_processors(self) -> bool:

@@ -85,7 +85,7 @@ class CudaGraphRunner:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]
                 and not self.worker.use_rejection_sampling
                 and all(r.sampling_params.temperature == 0.0 and
-                        not r.sampling_params.has_processors for r in batch.generation)
+                        not r.sampling_params.needs_logits for r in batch.generation)
                 and all(len(r.block_table) <= self.width for r in batch.generation))
 
     def bucket(self, n: int) -> int:

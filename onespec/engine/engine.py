@@ -377,7 +377,7 @@ class Engine:
         bad = [t for t in sp.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
-        if sp.has_processors:
+        if sp.needs_logits:
             self.check_logit_processors()
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -401,14 +401,14 @@ class Engine:
         check_combinations(self.features | {GRAMMAR})
 
     def check_logit_processors(self):
-        """A ValueError if this engine cannot apply logit processors (penalties,
-        logit_bias, min_tokens) to a request's verify rows."""
+        """A ValueError if this engine cannot read a request's verify rows' full logits
+        (logit processors: penalties, logit_bias, min_tokens; logprobs)."""
+        what = "logit processors (penalties, logit_bias, min_tokens) and logprobs"
         if self.tree is not None:
-            raise ValueError("logit processors (penalties, logit_bias, min_tokens) cannot be "
-                             "used with use_dynamic_tree yet; use chain drafting")
+            raise ValueError(f"{what} cannot be used with use_dynamic_tree yet; use chain "
+                             "drafting")
         if self.parallel:
-            raise ValueError("logit processors (penalties, logit_bias, min_tokens) are not "
-                             "supported with tensor_parallel_size > 1 yet")
+            raise ValueError(f"{what} are not supported with tensor_parallel_size > 1 yet")
 
     def abort(self, request_id: str):
         req = self.requests.pop(request_id, None)

@@ -55,7 +55,9 @@ class BlockPool:
     # ---- prefix caching ----------------------------------------------------------------
     def match_prefix(self, req: Request) -> list[CachedBlock]:
         """Cached blocks req (waiting, holding no block) can start with: [] without caching."""
-        return self.cache.match(req) if self.cache is not None else []
+        if self.cache is None or req.sampling_params.prompt_logprobs is not None:
+            return []           # prompt log-probabilities need every prompt row computed
+        return self.cache.match(req)
 
     def can_admit(self, hits: list[CachedBlock], num_slots: int) -> bool:
         """Whether a request starting with the cached blocks `hits` can get num_slots slots

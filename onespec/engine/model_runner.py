@@ -6,6 +6,7 @@ import torch
 
 from onespec.engine.cuda_graph import PendingStep
 from onespec.engine.request import Request
+from onespec.layers.logprobs import LogprobRows, host_entries
 from onespec.layers.processors import RowHistory, build_row_processors
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
@@ -34,6 +35,64 @@ def _history(req: Request, drafts_before: list[int]) -> RowHistory | None:
     if not sp.has_processors:
         return None
     return RowHistory(sp, req.prompt_token_ids, req.output_token_ids + drafts_before)
+
+
+class LogprobPlan:
+    """Collects, while a step's inputs are packed, the rows whose log-probabilities its
+    requests ask for: output rows (logit rows of context chunks and verify rows) and
+    prompt rows (a chunk's hidden rows that score the prompt token after them)."""
+
+    def __init__(self):
+        self.out_rows, self.out_tops = [], []
+        self.prompt_index, self.prompt_tokens, self.prompt_tops, self.prompt_owners = \
+            [], [], [], []
+
+    def add_output_rows(self, req: Request, logit_rows):
+        n = req.sampling_params.logprobs
+        if n is not None:
+            self.out_rows += logit_rows
+            self.out_tops += [n] * len(logit_rows)
+
+    def add_prompt_rows(self, req: Request, chunk: int, first_row: int, start: int, end: int):
+        """Rows of positions q in [start, end) score prompt token q + 1, from the first
+        token not scored yet (a preempted request recomputes without scoring again)."""
+        n = req.sampling_params.prompt_logprobs
+        if n is None:
+            return
+        prompt = req.prompt_token_ids
+        done = len(req.prompt_logprobs or ())
+        for q in range(max(start, done), min(end, len(prompt) - 1)):
+            self.prompt_index.append(first_row + q - start)
+            self.prompt_tokens.append(prompt[q + 1])
+            self.prompt_tops.append(n)
+            self.prompt_owners.append(chunk)
+
+    def output_rows(self, dev) -> LogprobRows | None:
+        if not self.out_rows:
+            return None
+        return LogprobRows(torch.tensor(self.out_rows, dtype=torch.int64, device=dev), None,
+                           self.out_tops, self.out_rows)
+
+    def prompt_rows(self, dev) -> LogprobRows | None:
+        if not self.prompt_index:
+            return None
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        return LogprobRows(as_long(self.prompt_index), as_long(self.prompt_tokens),
+                           self.prompt_tops, self.prompt_owners)
+
+
+def _by_owner(rows: LogprobRows | None, res, many: bool = False) -> dict | None:
+    """Host entries keyed by their rows' owners ({logit row: entry}, or with many
+    {context chunk: [entries]})."""
+    if rows is None or res is None:
+        return None
+    entries = host_entries(res, rows.num_tops)
+    if not many:
+        return dict(zip(rows.owners, entries))
+    out: dict[int, list] = {}
+    for owner, entry in zip(rows.owners, entries):
+        out.setdefault(owner, []).append(entry)
+    return out
 
 
 class ModelRunner:
@@ -86,6 +145,8 @@ class ModelRunner:
             drafts=drafts,
             relaxed=relaxed or None,
             draft_parents=parents if tree else None,
+            logprobs=_by_owner(inp.logprob_rows, res.logprobs),
+            prompt_logprobs=_by_owner(inp.prompt_logprob_rows, res.prompt_logprobs, many=True),
         )
 
     def _run_constrained(self, batch: ScheduledBatch) -> StepOutput:
@@ -128,7 +189,8 @@ class ModelRunner:
         draft_ctx_rows = []
         row_params, row_pos = [], []       # per logit row: params, position of its token
         histories = []                     # per logit row: its processors' history or None
-        for c in batch.context:
+        scored = LogprobPlan()             # rows whose logprobs are asked for
+        for i, c in enumerate(batch.context):
             tokens = c.req.token_ids
             end = c.start + c.length
             ids += tokens[c.start:end]
@@ -142,6 +204,8 @@ class ModelRunner:
             row_params.append(c.req.sampling_params)
             row_pos.append(end)
             histories.append(_history(c.req, []))
+            scored.add_output_rows(c.req, [len(logit_rows) - 1])
+            scored.add_prompt_rows(c.req, i, len(ids) - c.length, c.start, end)
         gen_start = len(ids)
         draft_rows, tree_parents, rotary = [], [], list(pos)
         for req in batch.generation:
@@ -159,6 +223,7 @@ class ModelRunner:
             row_params += [req.sampling_params] * rows
             row_pos += [p + o + 1 for o in offsets]
             histories += [_history(req, drafts[:j]) for j in range(rows)]
+            scored.add_output_rows(req, range(len(logit_rows) - rows, len(logit_rows)))
         reqs = batch.requests
         draft_reqs = drafting_requests(batch)
         dev = self.device
@@ -192,6 +257,7 @@ class ModelRunner:
             tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary))
             if tree and batch.generation else None,
             processors=build_row_processors(histories, self.eos_token_ids, dev),
+            logprob_rows=scored.output_rows(dev), prompt_logprob_rows=scored.prompt_rows(dev),
         )
 
     def _verified_drafts(self, req: Request, k: int) -> tuple[list[int], list[int] | None]:

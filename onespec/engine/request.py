@@ -68,6 +68,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     prefix_chain: list = field(default_factory=list)
     cache_salt: str | None = None      # its prefix-cache namespace (None: the shared one)
+    # log-probabilities (layers/logprobs.py), when asked for: per output token, and per
+    # prompt token after the first, {token id: Logprob}
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -39,6 +39,8 @@ class StepOutput:
     drafts: list[list[int]]             # [B][K] next draft tokens (context first)
     relaxed: list[list[int]] | None = None  # [Bg][K] 1: draft accepted by the relaxed rule only
     draft_parents: list[list[int]] | None = None  # [B][N] parents of the drafted tree (trees)
+    logprobs: dict | None = None        # {logit row: {token: Logprob}} of emitted tokens' rows
+    prompt_logprobs: dict | None = None  # {context chunk: [{token: Logprob}]} prompt tokens
 
 
 class Scheduler:
@@ -166,27 +168,31 @@ class Scheduler:
         ctx_tokens = iter(out.context_tokens)
         drafts = iter(out.drafts)
         parents = iter(out.draft_parents or [])
-        for chunk in batch.context:
+        for i, chunk in enumerate(batch.context):
             req, token, next_drafts = chunk.req, next(ctx_tokens), next(drafts)
             next_parents = next(parents, [])
             req.num_computed = chunk.start + chunk.length
+            if out.prompt_logprobs and i in out.prompt_logprobs:
+                req.prompt_logprobs = (req.prompt_logprobs or []) + out.prompt_logprobs[i]
             if not chunk.is_last:
                 self.pool.cache_blocks(req)
                 continue
             req.in_context = False
             req.metrics.target_steps += 1
-            self._append(req, [token])
+            self._append(req, [token], out.logprobs, [i])
             req.draft_tokens, req.draft_parents = next_drafts, next_parents
             advanced.append(req)
         relaxed = iter(out.relaxed or [])
+        rows = len(batch.context)               # the first logit row of each request
         for req, accepted, n in zip(batch.generation, out.accepted, out.num_accepted):
+            first, rows = rows, rows + len(accepted)
             next_drafts, relaxed_row = next(drafts), next(relaxed, None)
             next_parents = next(parents, [])
             if req.status != RequestStatus.RUNNING:
                 continue    # finished or aborted while this (overlapped) step was in flight
             req.metrics.target_steps += 1
             req.num_computed += n             # KV past the accepted prefix is rewound
-            emitted = self._append(req, accepted[:n])
+            emitted = self._append(req, accepted[:n], out.logprobs, range(first, first + n))
             if batch.k > 0 and req.draft_tokens:
                 req.metrics.num_draft_tokens += self.shape.num_drafts(batch.k)
                 # only drafts that were emitted (a stop or max_tokens may cut the run), so
@@ -202,11 +208,19 @@ class Scheduler:
                 self._release(req)
         return advanced
 
-    def _append(self, req: Request, tokens: list[int]) -> int:
-        """Appends tokens until a stop condition; returns how many were appended."""
+    def _append(self, req: Request, tokens: list[int], logprobs: dict | None = None,
+                rows=()) -> int:
+        """Appends tokens until a stop condition (with their log-probabilities, from
+        logprobs[rows[i]], when the request asks for them); returns how many were
+        appended."""
         sp = req.sampling_params
+        scored = logprobs is not None and sp.logprobs is not None
+        if scored and req.logprobs is None:
+            req.logprobs = []
         for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
+            if scored:
+                req.logprobs.append(logprobs[rows[i]])
             req.metrics.num_generated_tokens += 1
             if req.grammar is not None and self._grammar_ends(req, t):
                 return i + 1

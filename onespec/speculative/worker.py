@@ -12,6 +12,7 @@ import torch
 
 from onespec.layers.attention import (AttentionMetadata, advance_decode_metadata,
                                       build_attention_metadata)
+from onespec.layers.logprobs import LogprobRows, TokenLogprobs, token_logprobs
 from onespec.layers.processors import RowProcessors
 from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
@@ -49,6 +50,8 @@ class StepInputs:
     grammar: StepGrammar | None = None   # masks of constrained requests (structured outputs)
     tree: TreeInputs | None = None       # tree verify of the generation requests (trees)
     processors: RowProcessors | None = None  # logit rows with logit processors
+    logprob_rows: LogprobRows | None = None  # logit rows whose tokens' logprobs are wanted
+    prompt_logprob_rows: LogprobRows | None = None  # hidden rows scoring prompt tokens
 
 
 @dataclass
@@ -76,6 +79,8 @@ class StepResults:
     draft_probs: torch.Tensor | None  # [Bd, K, V] in target-vocab space (rejection sampling)
     relaxed: torch.Tensor | None = None  # [Bg, K] drafts accepted by the relaxed rule only
     draft_parents: torch.Tensor | None = None  # [Bd, N] parent of each drafted node (trees)
+    logprobs: TokenLogprobs | None = None      # of inp.logprob_rows' chosen tokens
+    prompt_logprobs: TokenLogprobs | None = None   # of inp.prompt_logprob_rows' tokens
 
 
 class Verifier:
@@ -157,11 +162,30 @@ class SpecWorker:
             ctx, accepted, num_accepted, drafts, parents = tree_step(self, inp, self.tree)
             return StepResults(ctx, accepted, num_accepted, drafts, None, draft_parents=parents)
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
-        acc = self.acceptor.accept(self.verifier, inp, hidden[inp.logit_rows])
+        rows = hidden[inp.logit_rows]
+        acc = self.acceptor.accept(self.verifier, inp, rows)
+        logprobs, prompt_logprobs = self.logprobs(inp, hidden, rows, acc)
         drafts, draft_probs = self._propose(inp, hidden, captured, acc.context_tokens,
                                             acc.accepted, acc.num_accepted)
         return StepResults(acc.context_tokens, acc.accepted, acc.num_accepted, drafts,
-                           draft_probs, acc.relaxed)
+                           draft_probs, acc.relaxed, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
+
+    def logprobs(self, inp: StepInputs, hidden, rows, acc):
+        """The raw log-probabilities the step was asked for: of the tokens chosen at
+        inp.logprob_rows (verify rows: those of emitted tokens are read), and of the prompt
+        tokens inp.prompt_logprob_rows score. (None, None) when none were asked for."""
+        out, prompt = None, None
+        lr = inp.logprob_rows
+        if lr is not None:
+            chosen = torch.cat([acc.context_tokens, acc.accepted.reshape(-1)])[lr.index]
+            out = token_logprobs(self.target.compute_logits(rows[lr.index]), chosen,
+                                 lr.num_top)
+        pr = inp.prompt_logprob_rows
+        if pr is not None:
+            prompt = token_logprobs(self.target.compute_logits(hidden[pr.index]), pr.tokens,
+                                    pr.num_top)
+        return out, prompt
 
     def verify_rows(self, inp: StepInputs, positions, meta):
         """The target over the step's rows: hidden [T, H] and the drafter's captured layers."""

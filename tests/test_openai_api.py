@@ -259,3 +259,61 @@ def test_logit_processors_through_the_client_equal_offline_decoding(server, clie
         offline.close()
     assert r.choices[0].token_ids == expected and banned not in expected
     assert r.model_extra["onespec"]["num_draft_tokens"] > 0         # it did speculate
+
+
+# ---- log-probabilities ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def offline():
+    from onespec import LLM
+    llm = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2)
+    yield llm
+    llm.close()
+
+
+def test_completion_logprobs_equal_offline_plain_decoding(client, offline):
+    from onespec import SamplingParams
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    plain = offline.generate(PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                        logprobs=3))[0].outputs[0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(plain.token_ids) == 12
+    for got, top, token, entry in zip(lp.token_logprobs, lp.top_logprobs, plain.token_ids,
+                                      plain.logprobs):
+        assert abs(got - entry[token].logprob) < 1e-4
+        assert 3 <= len(top) <= 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, offline):
+    """What lm-eval's loglikelihood tasks send: the prompt's tokens' logprobs, nothing more."""
+    from onespec import SamplingParams
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == PROMPTS[1] and r.usage.completion_tokens == 0
+    plain = offline.generate(PROMPTS[1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    ids = plain.prompt_token_ids
+    assert choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.token_logprobs) == len(ids) == r.usage.prompt_tokens
+    for got, token, entry in zip(choice.logprobs.token_logprobs[1:], ids[1:],
+                                 plain.prompt_logprobs[1:]):
+        assert abs(got - entry[token].logprob) < 1e-4
+
+
+def test_chat_logprobs_and_streamed_logprobs(client):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "Sum a list."}], max_tokens=10,
+              temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(whole) == 10
+    for entry in whole:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) for ch in c.choices
+                if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == \
+        [(e.token, round(e.logprob, 4)) for e in whole]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**{**kw, "logprobs": False})

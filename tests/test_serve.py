@@ -409,6 +409,10 @@ BAD_REQUESTS = [
      "repetition_penalty"),
     ("min_tokens", "/v1/completions", _completion(min_tokens=-1), 400, "min_tokens"),
     ("suffix", "/v1/completions", _completion(suffix="}"), 400, "suffix"),
+    ("logprobs 21", "/v1/completions", _completion(logprobs=21), 400, "logprobs"),
+    ("echo streamed", "/v1/completions", _completion(echo=True, stream=True), 400, "echo"),
+    ("top_logprobs alone", "/v1/chat/completions", _chat(top_logprobs=2), 400,
+     "top_logprobs"),
     ("empty prompt list", "/v1/completions", _completion(prompt=[]), 400, "prompt"),
     ("129 choices", "/v1/completions", _completion(prompt=["a"] * 65, n=2), 400, "prompt"),
     ("tools, auto, no parser", "/v1/chat/completions", _chat(tools=[{

@@ -31,6 +31,8 @@ class StepUpdate:
     finish_reason: str | None                  # set once the engine finished the request
     metrics: RequestMetrics
     error: str | None = None                   # the engine failed: the request is dropped
+    logprobs: list | None = None               # entries of new_token_ids (if asked for)
+    prompt_logprobs: list | None = None        # in a request's first update (if asked for)
 
 
 @dataclass
@@ -201,14 +203,18 @@ class EngineLoop:
             stream = self._streams.get(req.request_id)
             if stream is None:
                 continue
-            new = req.output_token_ids[stream.num_sent:]
+            first, sent = stream.num_sent == 0, stream.num_sent
+            new = req.output_token_ids[sent:]
             stream.num_sent += len(new)
             reason = req.finish_reason if req.is_finished else None
             if reason == "error":          # this request alone failed in the engine step
                 update = StepUpdate([], None, copy.copy(req.metrics),
                                     f"the engine failed on this request: {req.error}")
             else:
-                update = StepUpdate(new, reason, copy.copy(req.metrics))
+                update = StepUpdate(
+                    new, reason, copy.copy(req.metrics),
+                    logprobs=None if req.logprobs is None else req.logprobs[sent:],
+                    prompt_logprobs=req.prompt_logprobs if first else None)
             stream.queue.put_nowait(update)
             if req.is_finished:
                 del self._streams[req.request_id]

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 64          # stop strings per request
 MAX_STOP_STRING_CHARS = 1024   # characters per stop string
 MAX_CACHE_SALT_CHARS = 1024
 MAX_CHOICES = 128              # choices per request: prompts x n
+MAX_LOGPROBS = 20              # top log-probabilities per token
 
 # Fields whose union types give unreadable pydantic errors get a plain sentence instead.
 class _Strict(BaseModel):
@@ -205,6 +206,10 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def logprob_params(self) -> dict:
+        """SamplingParams' logprobs and prompt_logprobs for this request."""
+        return {}
+
     def continuous_usage(self) -> bool:
         return bool(self.include_usage() and self.stream_options.continuous_usage_stats)
 
@@ -240,7 +245,8 @@ class _GenerationRequest(_Strict):
         max_tokens, max_tokens_field = self.requested_max_tokens()
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                       ignore_eos=self.ignore_eos, structured_outputs=structured,
-                      stop_token_ids=self.stop_token_ids or [], seed=self.seed)
+                      stop_token_ids=self.stop_token_ids or [], seed=self.seed,
+                      **self.logprob_params())
         for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens"):
             value = getattr(self, name)
@@ -271,12 +277,27 @@ class CompletionRequest(_GenerationRequest):
             return [self.prompt]
         return list(self.prompt)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.echo_only:
+            return 1, "max_tokens"           # one token is decoded, and dropped
+        return super().requested_max_tokens()
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
+
     def check_unsupported(self):
         super().check_unsupported()
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                           f"{self.logprobs}", param="logprobs")
+        if self.echo and self.stream:
+            raise APIError("echo is not supported with stream", param="echo")
         if self.suffix:
             raise APIError("suffix needs a fill-in-the-middle model, which this server does "
                            "not serve", param="suffix")
@@ -291,9 +312,13 @@ class CompletionRequest(_GenerationRequest):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool = True
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def tool_dicts(self) -> list[dict]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
@@ -307,8 +332,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_unsupported(self):
         super().check_unsupported()
-        if self.logprobs:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                               f"{self.top_logprobs}", param="top_logprobs")
         if not self.messages:
             raise APIError("messages must be a non-empty list", param="messages")
         choice = self.effective_tool_choice()

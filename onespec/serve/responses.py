@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from onespec.engine.request import RequestMetrics
 from onespec.sampling_params import SamplingParams
@@ -43,6 +43,9 @@ class Job:
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_content_sent: int = 0                  # with tools: characters streamed as content
+    logprobs: list = field(default_factory=list)   # per output token {id: Logprob}
+    prompt_logprobs: list | None = None        # per prompt token after the first
+    num_logprobs_sent: int = 0                 # entries already streamed
 
 
 @dataclass
@@ -55,6 +58,12 @@ class Reply:
     include_usage: bool = False
     continuous_usage: bool = False             # usage on every chunk of a stream
     tools: ToolMode | None = None              # chat with tools: how calls are read
+    logprobs: int | None = None                # alternatives per token, when asked for
+    echo: bool = False                         # completions: the prompt leads the text
+    echo_only: bool = False                    # ... and nothing is generated (max_tokens 0)
+    num_samples: int = 1                       # n: choices per prompt
+    token_text: Callable[[int], str] | None = None   # one token's text (for logprobs)
+    prompt_text: list[str] = field(default_factory=list)  # per prompt, with echo
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -92,6 +101,9 @@ class Reply:
     # ---- whole responses -----------------------------------------------------------------
     def choice(self, job: Job) -> dict:
         choice = {"index": job.index, "finish_reason": job.finish_reason, "logprobs": None}
+        if self.logprobs is not None:
+            choice["logprobs"] = self.logprobs_body(job, job.logprobs, list(job.detok.token_ids),
+                                                    echo=self.echo)
         if self.tools is not None:
             content, calls, choice["finish_reason"] = self.tools.result(job.detok.text,
                                                                         job.finish_reason)
@@ -101,10 +113,43 @@ class Reply:
         elif self.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": job.detok.text}
         else:
-            choice["text"] = job.detok.text
+            choice["text"] = (self.prompt_text[job.index // self.num_samples]
+                              if self.echo else "") + job.detok.text
         if self.return_token_ids:
             choice["token_ids"] = list(job.detok.token_ids)
         return choice
+
+    def logprobs_body(self, job: Job, entries: list, tokens: list[int], echo: bool = False):
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or the
+        completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (with echo,
+        the prompt's tokens first, the very first with none)."""
+        if self.kind == CHAT:
+            return {"content": [self._chat_entry(t, e) for t, e in zip(tokens, entries)]}
+        if echo:
+            tokens = job.prompt_token_ids + tokens
+            entries = [None, *(job.prompt_logprobs or [])] + entries
+        texts = [self.token_text(t) for t in tokens]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts,
+                "token_logprobs": [None if e is None else e[t].logprob
+                                   for t, e in zip(tokens, entries)],
+                "top_logprobs": [None if e is None else
+                                 {self.token_text(i): lp.logprob for i, lp in
+                                  sorted(e.items(), key=lambda kv: kv[1].rank)}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, entry: dict) -> dict:
+        def item(t: int) -> dict:
+            text = self.token_text(t)
+            return {"token": text, "logprob": entry[t].logprob,
+                    "bytes": list(text.encode("utf-8"))}
+        top = sorted((t for t in entry if entry[t].rank <= self.logprobs),
+                     key=lambda t: entry[t].rank)
+        return {**item(token), "top_logprobs": [item(t) for t in top]}
 
     def response(self) -> dict:
         body = {**self.head(stream=False), "choices": [self.choice(j) for j in self.jobs],
@@ -125,6 +170,11 @@ class Reply:
             choice["text"] = text
         if self.return_token_ids and token_ids is not None:
             choice["token_ids"] = list(token_ids)
+        start, end = job.num_logprobs_sent, len(job.logprobs)
+        if self.logprobs is not None and end > start:     # every entry not sent yet
+            job.num_logprobs_sent = end
+            choice["logprobs"] = self.logprobs_body(job, job.logprobs[start:end],
+                                                    list(job.detok.token_ids[start:end]))
         body = {**self.head(stream=True), "choices": [choice]}
         if self.include_usage:
             body["usage"] = self.usage() if self.continuous_usage else None

@@ -313,9 +313,14 @@ class OpenAIServing:
         jobs = [Job(ids, sample_params(sp, s), IncrementalDetokenizer(decode, stop),
                     index=p * n + s, counts_prompt=s == 0, cache_salt=req.cache_salt)
                 for p, ids in enumerate(prompts) for s in range(n)]
+        echo = kind == COMPLETION and req.echo
         reply = Reply(kind, self.model_name, jobs, return_token_ids=req.return_token_ids,
                       include_usage=req.include_usage(),
-                      continuous_usage=req.continuous_usage(), tools=tools)
+                      continuous_usage=req.continuous_usage(), tools=tools,
+                      logprobs=sp.logprobs, echo=echo, echo_only=echo and req.echo_only,
+                      num_samples=n, token_text=self._token_text,
+                      prompt_text=[self._decode(ids) if isinstance(p, list) else p
+                                   for p, ids in zip(req.prompts(), prompts)] if echo else [])
         return reply, structured, field
 
     def _check_spec(self, structured: StructuredOutputsParams, field: str):
@@ -376,6 +381,12 @@ class OpenAIServing:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token: int) -> str:
+        """One token's text (log-probability entries name tokens by it)."""
+        if self.tokenizer is None:
+            return str(token)
+        return self.tokenizer.decode([token])
 
     def _decode_keeping_markers(self, token_ids: list[int]) -> str:
         """The text with special tokens (a parser's markers such as [TOOL_CALLS]), less
@@ -472,6 +483,12 @@ class OpenAIServing:
             async with aclosing(updates) as it:
                 async for u in it:
                     job.metrics = u.metrics
+                    if u.prompt_logprobs is not None:
+                        job.prompt_logprobs = u.prompt_logprobs
+                    if reply.echo_only:       # the one token decoded is dropped
+                        u.new_token_ids, u.logprobs = [], None
+                    if u.logprobs is not None:
+                        job.logprobs += u.logprobs
                     delta = job.detok.update(u.new_token_ids, u.finish_reason is not None)
                     job.finish_reason = "stop" if job.detok.stopped else u.finish_reason
                     yield job, delta, u.new_token_ids
@@ -506,7 +523,8 @@ class OpenAIServing:
                     if reply.tools is not None:
                         for chunk in reply.tool_chunks(job, token_ids):
                             yield chunk
-                    elif delta or job.finish_reason or (reply.return_token_ids and token_ids):
+                    elif delta or job.finish_reason or (token_ids and (
+                            reply.return_token_ids or reply.logprobs is not None)):
                         yield reply.chunk(job, delta, token_ids, job.finish_reason)
         except EngineError as e:
             yield sse(APIError(str(e), status=500).body())

@@ -317,3 +317,20 @@ def test_chat_logprobs_and_streamed_logprobs(client):
         [(e.token, round(e.logprob, 4)) for e in whole]
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(**{**kw, "logprobs": False})
+
+
+def test_best_of_returns_the_likeliest_samples(client):
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=10, temperature=1.0)
+    samples = []
+    for s in range(4):
+        r = client.completions.create(**kw, seed=7 + s, logprobs=0)
+        samples.append((sum(r.choices[0].logprobs.token_logprobs), r.choices[0].text))
+    best = client.completions.create(**kw, seed=7, n=2, best_of=4)
+    expected = [text for _, text in sorted(samples, reverse=True)[:2]]
+    assert [c.text for c in best.choices] == expected
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == sum(
+        len(client.completions.create(**kw, seed=7 + s, extra_body={"return_token_ids": True})
+            .choices[0].token_ids) for s in range(4))
+    with pytest.raises(openai.BadRequestError, match="best_of must be an integer in"):
+        client.completions.create(**kw, n=3, best_of=2)

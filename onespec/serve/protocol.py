@@ -223,6 +223,11 @@ class _GenerationRequest(_Strict):
     def num_samples(self) -> int:
         return 1 if self.n is None else self.n
 
+    @property
+    def num_decoded(self) -> int:
+        """Samples decoded per prompt: best_of, of which the n likeliest are returned."""
+        return max(self.num_samples, self.best_of or 0)
+
     def check_unsupported(self):
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise APIError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
@@ -230,10 +235,13 @@ class _GenerationRequest(_Strict):
         if not 1 <= self.num_samples <= MAX_CHOICES:
             raise APIError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}",
                            param="n")
-        if self.best_of is not None and self.best_of != self.num_samples:
-            raise APIError(f"best_of must equal n ({self.num_samples}) on this server: "
-                           "ranking more samples needs their log-probabilities, which it does "
-                           f"not compute yet; got {self.best_of}", param="best_of")
+        if self.best_of is not None:
+            if not self.num_samples <= self.best_of <= MAX_CHOICES:
+                raise APIError(f"best_of must be an integer in [n = {self.num_samples}, "
+                               f"{MAX_CHOICES}], got {self.best_of}", param="best_of")
+            if self.stream and self.best_of > self.num_samples:
+                raise APIError("best_of > n is not supported with stream (the best are known "
+                               "only at the end)", param="best_of")
         for key in self.logit_bias or {}:
             if not (key.isdigit() and len(key) < 19):
                 raise APIError(f"logit_bias keys must be token ids (as strings), got {key!r}",
@@ -304,9 +312,10 @@ class CompletionRequest(_GenerationRequest):
         prompts = self.prompts()
         if not prompts:
             raise APIError("prompt must not be an empty list", param="prompt")
-        if len(prompts) * self.num_samples > MAX_CHOICES:
-            raise APIError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x "
-                           f"n), got {len(prompts)} x {self.num_samples}", param="prompt")
+        if len(prompts) * self.num_decoded > MAX_CHOICES:
+            raise APIError(f"a request may ask for at most {MAX_CHOICES} samples (prompts x "
+                           f"best_of or n), got {len(prompts)} x {self.num_decoded}",
+                           param="prompt")
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -61,7 +61,8 @@ class Reply:
     logprobs: int | None = None                # alternatives per token, when asked for
     echo: bool = False                         # completions: the prompt leads the text
     echo_only: bool = False                    # ... and nothing is generated (max_tokens 0)
-    num_samples: int = 1                       # n: choices per prompt
+    num_samples: int = 1                       # samples decoded per prompt (best_of or n)
+    num_returned: int = 1                      # n: choices returned per prompt (the best)
     token_text: Callable[[int], str] | None = None   # one token's text (for logprobs)
     prompt_text: list[str] = field(default_factory=list)  # per prompt, with echo
     request_id: str = ""
@@ -151,8 +152,22 @@ class Reply:
                      key=lambda t: entry[t].rank)
         return {**item(token), "top_logprobs": [item(t) for t in top]}
 
+    def returned(self) -> list[dict]:
+        """The choices: every job, or with best_of the num_returned of each prompt's jobs
+        with the highest sum of their tokens' log-probabilities, indexed from 0 again."""
+        if self.num_returned == self.num_samples:
+            return [self.choice(j) for j in self.jobs]
+        choices, k = [], self.num_samples
+        for p in range(len(self.jobs) // k):
+            jobs = sorted(self.jobs[p * k:(p + 1) * k], key=_cumulative_logprob, reverse=True)
+            for rank, job in enumerate(jobs[:self.num_returned]):
+                choice = self.choice(job)
+                choice["index"] = p * self.num_returned + rank
+                choices.append(choice)
+        return choices
+
     def response(self) -> dict:
-        body = {**self.head(stream=False), "choices": [self.choice(j) for j in self.jobs],
+        body = {**self.head(stream=False), "choices": self.returned(),
                 "usage": self.usage(), "onespec": self.spec_metrics()}
         if self.return_token_ids:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
@@ -210,6 +225,10 @@ class Reply:
     def usage_chunk(self) -> str:
         return sse({**self.head(stream=True), "choices": [], "usage": self.usage(),
                     "onespec": self.spec_metrics()})
+
+
+def _cumulative_logprob(job: Job) -> float:
+    return sum(e[t].logprob for t, e in zip(job.detok.token_ids, job.logprobs))
 
 
 def sse(body: dict) -> str:

@@ -307,10 +307,12 @@ class OpenAIServing:
         sp = req.sampling_params(default_max_tokens, structured)
         if structured is not None:
             self._check_spec(structured, field)
-        n = req.num_samples
+        n = req.num_decoded
         # a parser reads markers that may be special tokens: keep them in the text
         decode = self._decode_keeping_markers if tools and tools.parser else self._decode
-        jobs = [Job(ids, sample_params(sp, s), IncrementalDetokenizer(decode, stop),
+        ranked = n > req.num_samples     # best_of: samples ranked by their log-probability
+        scored = dataclasses.replace(sp, logprobs=sp.logprobs or 0) if ranked else sp
+        jobs = [Job(ids, sample_params(scored, s), IncrementalDetokenizer(decode, stop),
                     index=p * n + s, counts_prompt=s == 0, cache_salt=req.cache_salt)
                 for p, ids in enumerate(prompts) for s in range(n)]
         echo = kind == COMPLETION and req.echo
@@ -318,7 +320,8 @@ class OpenAIServing:
                       include_usage=req.include_usage(),
                       continuous_usage=req.continuous_usage(), tools=tools,
                       logprobs=sp.logprobs, echo=echo, echo_only=echo and req.echo_only,
-                      num_samples=n, token_text=self._token_text,
+                      num_samples=n, num_returned=req.num_samples,
+                      token_text=self._token_text,
                       prompt_text=[self._decode(ids) if isinstance(p, list) else p
                                    for p, ids in zip(req.prompts(), prompts)] if echo else [])
         return reply, structured, field

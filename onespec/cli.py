@@ -9,6 +9,8 @@ import re
 import sys
 import time
 
+from onespec import __version__
+
 # name -> ("module:function" taking the command's own argv, one-line description)
 COMMANDS = {
     "demo": ("onespec.demo:main",
@@ -69,7 +71,9 @@ class Parser(argparse.ArgumentParser):
 
 # ---- engine options shared by generate and serve -----------------------------------------
 def _add_engine_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", required=True, help="Hugging Face model directory (local)")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face model directory (local), or a hub id in the local cache")
+    p.add_argument("--model", default=None, help="the same as MODEL (give one of them)")
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory: speculative decoding")
     p.add_argument("--k", type=int, default=None,
                    help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
@@ -94,6 +98,13 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="FRACTION",
+                   help="the most of the free memory, in (0, 1], that the KV cache may take "
+                        "(of the GPU's after the weights are loaded; of the host's available "
+                        "memory on the CPU): EngineConfig.kv_cache_memory_fraction")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed, >= 0: the engine's sampling generator (generate: also "
+                        "the request's seed) (default: 0)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV of prompt prefixes seen before")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -105,7 +116,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
     --draft, --mtp and --ngram are three drafters, one at a time; --sa-enhancer goes on a
-    model drafter; tree options need --draft."""
+    model drafter; tree options need --draft; the model comes as MODEL or --model."""
+    check_model_arg(parser, args)
     check_host_draft_args(parser, args)
     if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
         parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
@@ -132,6 +144,20 @@ def check_engine_args(parser: argparse.ArgumentParser, args):
     if args.k < 1:
         parser.error(f"--k must be >= 1 with --draft, got {args.k}; leave out --draft to "
                      "decode without speculation")
+
+
+def check_model_arg(parser: argparse.ArgumentParser, args):
+    """Sets args.model from the positional MODEL or --model (as vLLM takes either), and
+    args.model_option to the one given, for messages."""
+    if args.model_path is not None and args.model is not None and \
+            args.model_path != args.model:
+        parser.error(f"the model is given twice, as MODEL {args.model_path!r} and --model "
+                     f"{args.model!r}: give one")
+    args.model_option = "--model" if args.model is not None else "MODEL"
+    args.model = args.model if args.model is not None else args.model_path
+    if args.model is None:
+        parser.error(f"the model is missing: {parser.prog} MODEL (a Hugging Face model "
+                     "directory), or --model MODEL")
 
 
 def check_host_draft_args(parser: argparse.ArgumentParser, args):
@@ -170,7 +196,7 @@ def resolve_model_dir(path: str, option: str) -> str:
 
 def build_llm(args):
     from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig
-    model = resolve_model_dir(args.model, "--model")
+    model = resolve_model_dir(args.model, getattr(args, "model_option", "--model"))
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
     sa = dict(use_sa_enhancer=True, sa_min_match_len=args.sa_enhancer) \
         if args.sa_enhancer else {}
@@ -184,7 +210,9 @@ def build_llm(args):
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                enable_prefix_caching=args.enable_prefix_caching,
                tensor_parallel_size=args.tensor_parallel_size,
-               attention_backend=args.attention_backend)
+               attention_backend=args.attention_backend,
+               kv_cache_memory_fraction=args.gpu_memory_utilization,
+               seed=0 if args.seed is None else args.seed)
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -260,7 +288,6 @@ def generate_parser() -> Parser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
     return g
 
@@ -281,6 +308,7 @@ def generate_main(argv=None) -> int:
 def top_parser() -> Parser:
     parser = Parser(prog="onespec", description=__doc__,
                     epilog="`onespec COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"onespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, summary) in COMMANDS.items():
         sub.add_parser(name, help=summary, add_help=False)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 
 
@@ -60,6 +62,23 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn binds it, taken before the model loads so
+    that a port in use fails at once; uvicorn then listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another process listens there: stop it or pass another --port)" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -73,7 +92,20 @@ def main(argv=None) -> int:
         print("onespec serve: error: --max-request-body-bytes must be >= 1, got "
               f"{args.max_request_body_bytes}", file=sys.stderr)
         return 2
-    import uvicorn                  # a missing server module: one line from onespec.cli
+    import uvicorn  # noqa: F401    # a missing server module: one line from onespec.cli
+    try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _load_and_serve(args, listener)
+    finally:
+        listener.close()
+
+
+def _load_and_serve(args, listener: socket.socket) -> int:
+    import uvicorn
 
     from onespec.cli import build_llm
     from onespec.serve.app import create_app
@@ -91,9 +123,10 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
                      args.max_request_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[listener])
     finally:                        # Ctrl-C too: the tensor-parallel workers stop with us
         llm.close()
     return 0

@@ -1,6 +1,8 @@
 """LLM: the user-facing facade over the engine (vLLM-style)."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -8,8 +10,11 @@ from tqdm.auto import tqdm
 from onespec.config import Eagle3Config, EngineConfig
 from onespec.engine.engine import Engine
 from onespec.engine.request import Request
+from onespec.engine.summary import summary_lines
 from onespec.outputs import CompletionOutput, RequestOutput
 from onespec.sampling_params import SamplingParams
+
+logger = logging.getLogger("onespec.llm")
 
 
 class LLM:
@@ -18,8 +23,12 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments {sorted(unknown)}; allowed: "
                             f"{sorted(set(EngineConfig.__dataclass_fields__) - {'model'})}")
+        start = time.perf_counter()
         self.engine = Engine(EngineConfig(model=model, **kwargs), speculative_config)
         self.tokenizer = self.engine.tokenizer
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
+        for line in summary_lines(self.engine):
+            logger.info("  %s", line)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = False) -> list[RequestOutput]:

@@ -34,6 +34,11 @@ class RequestMetrics:
     num_cached_tokens: int | None = None
     num_sa_draft_tokens: int = 0           # drafts verified that the suffix automaton proposed
     num_sa_accepted_draft_tokens: int = 0  # of those, emitted
+    # when (time.monotonic(), seconds) the engine took the request, first scheduled it
+    # (the time in between is its queue time) and appended its first output token
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def acceptance_length(self) -> float:

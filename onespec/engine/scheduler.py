@@ -2,6 +2,7 @@
 preemption by recompute when the block pool runs dry."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -127,8 +128,9 @@ class Scheduler:
                 break
             self.pool.admit(req, hits, slots)
             req.num_computed = start
-            if req.metrics.num_cached_tokens is None:
+            if req.metrics.num_cached_tokens is None:      # (not again after preemption)
                 req.metrics.num_cached_tokens = start
+                req.metrics.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -205,6 +207,8 @@ class Scheduler:
     def _append(self, req: Request, tokens: list[int]) -> int:
         """Appends tokens until a stop condition; returns how many were appended."""
         sp = req.sampling_params
+        if tokens and not req.output_token_ids:
+            req.metrics.first_token_time = time.monotonic()
         for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
             req.metrics.num_generated_tokens += 1

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, engine-loop lifespan."""
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from onespec.serve.async_engine import EngineLoop
 from onespec.serve.errors import APIError, ClientGone, install_error_handlers
 from onespec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onespec.serve.serving import OpenAIServing
+from onespec.serve.stats_log import StatsLogger
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -61,23 +63,29 @@ def _too_large(what: str, limit: int) -> APIError:
 
 
 def create_app(llm, served_model_name: str, api_key: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               log_stats_interval: float | None = None) -> FastAPI:
     """An OpenAI-compatible app over `llm` (an onespec.LLM). Its lifespan starts the engine
     loop, so run it under an ASGI server (or `with TestClient(app)`). With an API key the
-    /docs, /redoc and /openapi.json pages are off."""
+    /docs, /redoc and /openapi.json pages are off. log_stats_interval: seconds between
+    the stats lines logged while there is work (None: none)."""
     if not (isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1):
         raise ValueError("max_request_body_bytes must be an integer >= 1, "
                          f"got {max_request_body_bytes!r}")
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(llm.engine.max_draft_len)
     serving = OpenAIServing(loop, served_model_name, metrics)
+    stats_log = StatsLogger(loop, log_stats_interval) if log_stats_interval else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         loop.start()
+        stats_task = asyncio.create_task(stats_log.run()) if stats_log else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await loop.stop()
             serving.executor.shutdown(wait=False)
 

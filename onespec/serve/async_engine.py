@@ -63,6 +63,8 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.snapshot = EngineSnapshot()
+        self.num_prompt_tokens = 0       # of requests added, and tokens sent to requests
+        self.num_generated_tokens = 0    # (the periodic stats line reads them)
         self._take_snapshot()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -170,6 +172,7 @@ class EngineLoop:
         except Exception as e:             # ValueError: bad request; the caller decides
             fut.set_exception(e)
             return
+        self.num_prompt_tokens += len(req.prompt_token_ids)
         stream = _Stream(req, asyncio.Queue())
         self._streams[request_id] = stream
         fut.set_result(stream.queue)
@@ -187,6 +190,7 @@ class EngineLoop:
                 continue
             new = req.output_token_ids[stream.num_sent:]
             stream.num_sent += len(new)
+            self.num_generated_tokens += len(new)
             reason = req.finish_reason if req.is_finished else None
             if reason == "error":          # this request alone failed in the engine step
                 update = StepUpdate([], None, copy.copy(req.metrics),

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", help="server log level",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a line of running and waiting requests, throughput, acceptance "
+                        "length and KV use every SECONDS while there is work (0: never)")
     return p
 
 
@@ -88,6 +91,10 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: --port must be in [0, 65535], got {args.port}",
               file=sys.stderr)
         return 2
+    if not args.log_stats_interval >= 0:
+        print("onespec serve: error: --log-stats-interval must be >= 0 seconds, got "
+              f"{args.log_stats_interval}", file=sys.stderr)
+        return 2
     if args.max_request_body_bytes < 1:
         print("onespec serve: error: --max-request-body-bytes must be >= 1, got "
               f"{args.max_request_body_bytes}", file=sys.stderr)
@@ -109,6 +116,7 @@ def _load_and_serve(args, listener: socket.socket) -> int:
 
     from onespec.cli import build_llm
     from onespec.serve.app import create_app
+    configure_logging(args.log_level)     # the engine's start-up summary is logged
     try:
         template = read_chat_template(args.chat_template) if args.chat_template else None
         llm = build_llm(args)
@@ -120,9 +128,8 @@ def _load_and_serve(args, listener: socket.socket) -> int:
     except (ValueError, OSError) as e:          # bad files or settings: one line, no trace
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
-                     args.max_request_body_bytes)
+                     args.max_request_body_bytes, args.log_stats_interval or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     try:

@@ -9,6 +9,7 @@ watcher; either way the engine-loop generator's `finally` aborts and frees KV bl
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from typing import AsyncIterator, Callable
@@ -206,10 +207,14 @@ class OpenAIServing:
 
     async def _advance(self, job: Job, updates) -> AsyncIterator[tuple[str, list[int]]]:
         """Yields (text delta, new token ids) per engine step until the job is finished;
-        records the request in the metrics however it ends."""
+        records the request in the metrics however it ends (with the times its tokens
+        arrived, for the latency histograms)."""
+        token_times: list[float] = []
         try:
             async with aclosing(updates) as it:
                 async for u in it:
+                    if u.new_token_ids:
+                        token_times.append(time.monotonic())
                     job.metrics = u.metrics
                     delta = job.detok.update(u.new_token_ids, u.finish_reason is not None)
                     job.finish_reason = "stop" if job.detok.stopped else u.finish_reason
@@ -218,7 +223,8 @@ class OpenAIServing:
                         return          # a stop string: closing `updates` aborts the request
         finally:
             self.metrics.record_request(job.kind, job.finish_reason or "abort",
-                                        len(job.prompt_token_ids), job.metrics)
+                                        len(job.prompt_token_ids), job.metrics, token_times,
+                                        token_times[-1] if token_times else None)
 
     async def _complete(self, job: Job, updates, request: Request) -> Response:
         async def consume():

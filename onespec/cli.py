@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import json
 import os
 import re
 import sys
@@ -89,6 +90,17 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
                    help="with --draft or --mtp: drafts from the request's own earlier tokens "
                         "replace the model's when N or more tokens match (suffix automaton)")
+    p.add_argument("--draft-len-schedule", type=draft_len_schedule, default=None,
+                   metavar="auto|B:K,...",
+                   help="draft length per step: 'auto' (a cost model picks K from 0 to the "
+                        "draft length each step, from step times measured at start-up and "
+                        "cached, and the acceptance seen; --draft or --mtp), or batch sizes "
+                        "and their K: 1:4,8:2,32:1 (up to B running requests, K drafts; "
+                        "above the largest B, none)")
+    p.add_argument("--rejection-sampling", action="store_true",
+                   help="sampled requests accept drafts by rejection sampling against the "
+                        "drafter's distribution (higher acceptance at temperature > 0), not "
+                        "by exact match with the target's sample")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -113,12 +125,30 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    help="auto: the Triton kernels on CUDA (one rank), else PyTorch")
 
 
+def draft_len_schedule(text: str) -> str | dict[int, int]:
+    """--draft-len-schedule: 'auto', or 'B:K,...' (a JSON object {"B": K} too)."""
+    if text == "auto":
+        return text
+    try:
+        pairs = json.loads(text).items() if text.lstrip().startswith("{") else \
+            [item.split(":") for item in text.split(",")]
+        return {int(b): int(k) for b, k in pairs}
+    except (ValueError, TypeError, AttributeError):
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or batch sizes and draft lengths such as 1:4,8:2,32:1, "
+            f"got {text!r}") from None
+
+
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
     --draft, --mtp and --ngram are three drafters, one at a time; --sa-enhancer goes on a
     model drafter; tree options need --draft; the model comes as MODEL or --model."""
     check_model_arg(parser, args)
     check_host_draft_args(parser, args)
+    if args.draft is None and args.mtp is None and args.ngram is None and \
+            (args.draft_len_schedule is not None or args.rejection_sampling):
+        parser.error("--draft-len-schedule and --rejection-sampling shape speculative "
+                     "decoding: pass a drafter (--draft, --mtp or --ngram)")
     if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
         parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
                      "--draft")
@@ -200,11 +230,14 @@ def build_llm(args):
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
     sa = dict(use_sa_enhancer=True, sa_min_match_len=args.sa_enhancer) \
         if args.sa_enhancer else {}
+    drafting = dict(draft_len_schedule=args.draft_len_schedule,
+                    use_rejection_sampling=args.rejection_sampling)
     tree = dict(use_dynamic_tree=True, dynamic_tree_max_topK=args.tree_topk,
                 max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree) if draft else \
-        MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
-        NGramConfig(max_draft_len=args.ngram) if args.ngram else None
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree, **drafting) \
+        if draft else \
+        MTPConfig(num_nextn_predict_layers=args.mtp, **sa, **drafting) if args.mtp else \
+        NGramConfig(max_draft_len=args.ngram, **drafting) if args.ngram else None
     return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,

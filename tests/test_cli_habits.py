@@ -96,3 +96,29 @@ def test_a_busy_port_fails_in_under_2_s_before_the_model_loads():
                            "already in use (another process listens there: stop it or pass "
                            "another --port)\n")
     assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("text, schedule", [("auto", "auto"), ("1:4,8:2,32:1", {1: 4, 8: 2, 32: 1}),
+                                            ('{"1": 3, "16": 1}', {1: 3, 16: 1})])
+def test_draft_len_schedule_forms(text, schedule):
+    args = parse(serve_parser(), ["M", "--draft", "D", "--draft-len-schedule", text])
+    assert args.draft_len_schedule == schedule
+
+
+def test_draft_len_schedule_and_rejection_sampling_need_a_drafter(capsys):
+    for flag in (["--draft-len-schedule", "auto"], ["--rejection-sampling"]):
+        with pytest.raises(SystemExit):
+            parse(serve_parser(), ["M", *flag])
+        assert "pass a drafter (--draft, --mtp or --ngram)" in capsys.readouterr().err
+
+
+def test_auto_draft_length_and_rejection_sampling_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONESPEC_CACHE_DIR", str(tmp_path))
+    head = os.path.join(REPO, "onespec", "_demo", "eagle3")
+    args = parse(serve_parser(), [DEMO_TARGET, "--draft", head, "--k", "2", "--device", "cpu",
+                                  "--draft-len-schedule", "auto", "--rejection-sampling",
+                                  "--max-batch-size", "2", "--max-model-len", "256"])
+    with build_llm(args) as llm:
+        sc = llm.engine.spec_config
+        assert sc.draft_len_schedule == "auto" and sc.use_rejection_sampling
+        assert set(llm.engine.policy.step_times) == {(b, k) for b in (1, 2) for k in range(3)}

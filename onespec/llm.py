@@ -13,6 +13,7 @@ from onespec.engine.request import Request
 from onespec.engine.summary import summary_lines
 from onespec.outputs import CompletionOutput, RequestOutput
 from onespec.sampling_params import SamplingParams
+from onespec.serve.detokenize import IncrementalDetokenizer
 
 logger = logging.getLogger("onespec.llm")
 
@@ -40,30 +41,53 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         for p in prompts:          # validate every prompt before any request is queued
             self.engine.tokenize(p)
-        reqs = []
+        if any(sp.stop for sp in params) and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model has none; use "
+                             "stop_token_ids")
+        reqs, detoks = [], {}
         try:
             for p, sp in zip(prompts, params):    # add_request may still reject (length)
                 reqs.append(self.engine.add_request(p, sp))
+                if sp.stop:
+                    detoks[reqs[-1].request_id] = IncrementalDetokenizer(self.decode, sp.stop)
             with tqdm(total=len(reqs), desc="generating",     # None: off a terminal, none
                       disable=None if use_tqdm else True) as bar:
                 while self.engine.has_unfinished():
-                    done = sum(r.is_finished for r in self.engine.step())
-                    bar.update(done)
+                    advanced = self.engine.step()
+                    for r in advanced:
+                        if r.request_id in detoks:
+                            self._look_for_stop(r, detoks[r.request_id])
+                    bar.update(sum(r.is_finished for r in advanced))
         except BaseException:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
-        return [self.to_output(r, p if isinstance(p, str) else None)
+        return [self.to_output(r, p if isinstance(p, str) else None, detoks.get(r.request_id))
                 for r, p in zip(reqs, prompts)]
+
+    def _look_for_stop(self, req: Request, detok: IncrementalDetokenizer):
+        """Feeds the request's new tokens to its detokenizer; at a stop string the request
+        ends ("stop") and the engine frees it."""
+        if detok.stopped:
+            return
+        detok.update(req.output_token_ids[len(detok.token_ids):], req.is_finished)
+        if detok.stopped:
+            self.engine.abort(req.request_id)
+            req.finish_reason = "stop"
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def to_output(self, req: Request, prompt: str | None = None) -> RequestOutput:
-        out = CompletionOutput(0, self.decode(req.output_token_ids), list(req.output_token_ids),
-                               req.finish_reason)
+    def to_output(self, req: Request, prompt: str | None = None,
+                  detok: IncrementalDetokenizer | None = None) -> RequestOutput:
+        """detok: the request's stop-string detokenizer, whose text ends before the stop."""
+        if detok is not None and detok.stopped:
+            out = CompletionOutput(0, detok.text, list(detok.token_ids), req.finish_reason)
+        else:
+            out = CompletionOutput(0, self.decode(req.output_token_ids),
+                                   list(req.output_token_ids), req.finish_reason)
         return RequestOutput(req.request_id, prompt, list(req.prompt_token_ids), [out],
                              req.is_finished, req.metrics)
 

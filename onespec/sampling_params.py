@@ -43,6 +43,10 @@ class SamplingParams:
                      output does not depend on the batch, chunking or preemption
     stop_token_ids   integers in [0, 2**63 - 1] (the engine also checks them against the
                      vocabulary)
+    stop             None, a string or a list of non-empty strings: LLM.generate ends the
+                     output before the first of them ("stop"), as the server does
+                     (serve/detokenize.py); the token ids are those generated up to the
+                     step that completed it
     structured_outputs  None, or a StructuredOutputsParams: the output follows its JSON
                      schema, regex, choice or grammar and ends ("stop") when it is complete
     Booleans are not integers here, and strings are not numbers.
@@ -54,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] | str | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
@@ -80,6 +85,13 @@ class SamplingParams:
             if not (_is_int(t) and 0 <= t <= INT64_MAX):
                 raise ValueError(f"stop_token_ids must be integers >= 0 and < 2**63, "
                                  f"got {t!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not (isinstance(self.stop, (list, tuple)) and all(
+                isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        self.stop = list(self.stop or [])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):

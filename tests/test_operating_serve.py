@@ -109,3 +109,21 @@ def test_a_stats_line_is_logged_while_there_is_work(served):
     assert lines, open(served[1]).read()
     assert "tokens/s" in lines[0] and "KV cache" in lines[0] and "acceptance length" in \
         " ".join(lines)
+
+
+def test_served_stop_strings_end_where_offline_ones_do(served):
+    from onespec import LLM, SamplingParams
+    url = served[0]
+    body = {"model": "target", "prompt": "def fib(n):", "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    text = full["choices"][0]["text"]
+    stop = next(text[i:i + 3] for i in range(6, len(text) - 3)
+                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+    served_out = httpx.post(url + "/v1/completions", json={**body, "stop": [stop]},
+                            timeout=60).json()["choices"][0]
+    with LLM(DEMO_TARGET, device="cpu", max_model_len=256, max_batch_size=1) as llm:
+        offline = llm.generate("def fib(n):", SamplingParams(
+            max_tokens=30, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert (served_out["text"], served_out["finish_reason"]) == \
+        (offline.text, offline.finish_reason) == (text[:text.find(stop)], "stop")

@@ -9,6 +9,8 @@ watcher; either way the engine-loop generator's `finally` aborts and frees KV bl
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
@@ -34,6 +36,27 @@ CHARS_PER_TOKEN_SLACK = 4
 # rejected without tokenizing the rest.
 PROBE_CHARS_PER_TOKEN = 8
 PROBE_MARGIN_TOKENS = 64
+# sampling fields a request may leave out, taken then from the model's generation config;
+# without one there, temperature 1.0 (as OpenAI and vLLM)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
+DEFAULT_TEMPERATURE = 1.0
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """{temperature, top_p, top_k} from the model's generation_config.json, where it sets
+    them; temperature 1.0 where it does not."""
+    defaults = {}
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict):
+        defaults = {k: config[k] for k in GENERATION_DEFAULT_FIELDS
+                    if isinstance(config.get(k), (int, float)) and
+                    not isinstance(config.get(k), bool)}
+    defaults.setdefault("temperature", DEFAULT_TEMPERATURE)
+    return defaults
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -68,6 +91,7 @@ class OpenAIServing:
         self.vocab_size = engine.model.config.vocab_size
         self.grammars = engine.grammars     # thread-safe: compiles on the tokenizer thread
         self.metrics = metrics
+        self.defaults = generation_defaults(engine.config.model)
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
         # parsing bodies, chat templates, tokenizing and compiling grammars run here, off the
@@ -165,7 +189,7 @@ class OpenAIServing:
         if stop and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         structured, field = req.structured()
-        sp = req.sampling_params(default_max_tokens, structured)
+        sp = req.sampling_params(default_max_tokens, structured, self.defaults)
         if structured is not None:
             self._compile(structured, field)
         detok = IncrementalDetokenizer(self._decode, stop)

@@ -31,10 +31,11 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written; '(default: X)' after every option that has a default
-    (not after None or a flag's False)."""
+    (not after None, nor after a flag: --no-progress's default True says nothing)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or \
+                isinstance(action, argparse._StoreConstAction):   # store_true / store_false
             return action.help
         return super()._get_help_string(action)
 

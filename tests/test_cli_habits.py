@@ -122,3 +122,13 @@ def test_auto_draft_length_and_rejection_sampling_from_the_command_line(tmp_path
         sc = llm.engine.spec_config
         assert sc.draft_len_schedule == "auto" and sc.use_rejection_sampling
         assert set(llm.engine.policy.step_times) == {(b, k) for b in (1, 2) for k in range(3)}
+
+
+def test_flags_show_no_default_in_help():
+    """`--no-progress (default: True)` read as if the flag were on by default."""
+    from onespec.train.cli import eagle3_parser
+    text = " ".join(eagle3_parser().format_help().split())
+    assert "--no-progress no progress bar" in text and "(default: True)" not in \
+        text.split("--no-progress no progress bar", 1)[1][:80]
+    text = " ".join(serve_parser().format_help().split())
+    assert "reuse the KV of prompt prefixes seen before (default: True)" in text

@@ -11,11 +11,27 @@ DEMO_TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "onespec", "_demo", "target")
 
 
-def test_llm_construction_logs_the_summary_at_info(caplog):
-    with caplog.at_level(logging.INFO, logger="onespec.llm"):
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_llm_construction_logs_the_summary_at_info():
+    logger = logging.getLogger("onespec.llm")      # (its parent may not propagate: serve)
+    handler, level = Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
         LLM(DEMO_TARGET, speculative_config=NGramConfig(max_draft_len=4), device="cpu",
             max_model_len=64, max_batch_size=2).close()
-    text = caplog.text
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    text = "\n".join(handler.lines)
     assert "engine ready in " in text
     assert "drafter: n-gram prompt lookup (n = 1..3), K = 4" in text
     # 2 requests of 64 tokens + max(K + 1, 2K)... rounded up to blocks: 5 blocks each

@@ -354,7 +354,7 @@ class Engine:
             raise ValueError("structured_outputs cannot be used with use_dynamic_tree "
                              "(tree drafts are not grammar-masked); use chain drafting")
         req = Request(rid, ids, sp)
-        req.metrics.arrival_time = time.monotonic()
+        req.times.arrival_time = time.monotonic()
         if sp.structured_outputs is not None and self.parallel:
             raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
         if sp.structured_outputs is not None:      # compiled once per spec (cached)

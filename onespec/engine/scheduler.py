@@ -130,7 +130,7 @@ class Scheduler:
             req.num_computed = start
             if req.metrics.num_cached_tokens is None:      # (not again after preemption)
                 req.metrics.num_cached_tokens = start
-                req.metrics.first_scheduled_time = time.monotonic()
+                req.times.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -208,7 +208,7 @@ class Scheduler:
         """Appends tokens until a stop condition; returns how many were appended."""
         sp = req.sampling_params
         if tokens and not req.output_token_ids:
-            req.metrics.first_token_time = time.monotonic()
+            req.times.first_token_time = time.monotonic()
         for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
             req.metrics.num_generated_tokens += 1

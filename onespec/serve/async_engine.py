@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from onespec.distributed import WorkerFailure
 from onespec.engine.engine import Engine
-from onespec.engine.request import Request, RequestMetrics
+from onespec.engine.request import Request, RequestMetrics, RequestTimes
 from onespec.sampling_params import SamplingParams
 
 logger = logging.getLogger("onespec.serve")
@@ -31,6 +31,7 @@ class StepUpdate:
     finish_reason: str | None                  # set once the engine finished the request
     metrics: RequestMetrics
     error: str | None = None                   # the engine failed: the request is dropped
+    times: RequestTimes | None = None          # when it arrived, was scheduled, ...
 
 
 @dataclass
@@ -196,7 +197,8 @@ class EngineLoop:
                 update = StepUpdate([], None, copy.copy(req.metrics),
                                     f"the engine failed on this request: {req.error}")
             else:
-                update = StepUpdate(new, reason, copy.copy(req.metrics))
+                update = StepUpdate(new, reason, copy.copy(req.metrics),
+                                    times=copy.copy(req.times))
             stream.queue.put_nowait(update)
             if req.is_finished:
                 del self._streams[req.request_id]

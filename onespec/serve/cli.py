@@ -35,11 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes, not as it was at set-up (main()
+    may run inside a process that swaps it, as a test runner does)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(level: str):
-    """onespec's own log lines (engine failures, disconnects) in uvicorn's format."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    """onespec's own log lines (the start-up summary, stats, engine failures,
+    disconnects) in uvicorn's format; once per process, however often main() runs."""
     logger = logging.getLogger("onespec")
+    for old in [h for h in logger.handlers if isinstance(h, StderrHandler)]:
+        logger.removeHandler(old)
+    handler = StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False

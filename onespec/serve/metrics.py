@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from onespec.engine.request import RequestMetrics
+from onespec.engine.request import RequestMetrics, RequestTimes
 from onespec.serve.async_engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -104,14 +104,15 @@ class ServerMetrics:
         self._seen: dict[tuple, int] = {}
 
     def record_request(self, endpoint: str, finish_reason: str, num_prompt_tokens: int,
-                       m: RequestMetrics, token_times: list[float] = (), end: float | None = None):
-        """token_times: when (time.monotonic()) each engine step that emitted tokens for the
-        request reached the server; end: when its last one did. A request that ran to its
-        end (COMPLETED) is observed in the latency histograms, measured from
-        m.arrival_time."""
+                       m: RequestMetrics, times: RequestTimes | None = None,
+                       token_times: list[float] = (), end: float | None = None):
+        """times: the engine's (arrival, first scheduled); token_times: when
+        (time.monotonic()) each engine step that emitted tokens for the request reached the
+        server; end: when its last one did. A request that ran to its end (COMPLETED) is
+        observed in the latency histograms, measured from its arrival."""
         self.requests.labels(endpoint, finish_reason).inc()
-        if finish_reason in COMPLETED and m.arrival_time is not None:
-            self._observe_latencies(m, list(token_times), end)
+        if finish_reason in COMPLETED and times is not None and times.arrival_time is not None:
+            self._observe_latencies(times, list(token_times), end)
         self.prompt_tokens.inc(num_prompt_tokens)
         if m.num_cached_tokens is not None:            # None: never scheduled
             self.cache_queries.inc(num_prompt_tokens)
@@ -125,16 +126,17 @@ class ServerMetrics:
         if m.target_steps:
             self.acceptance_hist.observe(m.acceptance_length)
 
-    def _observe_latencies(self, m: RequestMetrics, token_times: list[float],
+    def _observe_latencies(self, times: RequestTimes, token_times: list[float],
                            end: float | None):
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        start = times.arrival_time
+        if times.first_scheduled_time is not None:
+            self.queue_time.observe(times.first_scheduled_time - start)
         if token_times:
-            self.ttft.observe(token_times[0] - m.arrival_time)
+            self.ttft.observe(token_times[0] - start)
             for before, after in zip(token_times, token_times[1:]):
                 self.itl.observe(after - before)
         if end is not None:
-            self.e2e.observe(end - m.arrival_time)
+            self.e2e.observe(end - start)
 
     def render(self, snap: EngineSnapshot) -> bytes:
         self.kv_blocks_total.set(snap.num_blocks)

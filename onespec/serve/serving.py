@@ -234,11 +234,13 @@ class OpenAIServing:
         records the request in the metrics however it ends (with the times its tokens
         arrived, for the latency histograms)."""
         token_times: list[float] = []
+        times = None
         try:
             async with aclosing(updates) as it:
                 async for u in it:
                     if u.new_token_ids:
                         token_times.append(time.monotonic())
+                    times = u.times
                     job.metrics = u.metrics
                     delta = job.detok.update(u.new_token_ids, u.finish_reason is not None)
                     job.finish_reason = "stop" if job.detok.stopped else u.finish_reason
@@ -247,8 +249,8 @@ class OpenAIServing:
                         return          # a stop string: closing `updates` aborts the request
         finally:
             self.metrics.record_request(job.kind, job.finish_reason or "abort",
-                                        len(job.prompt_token_ids), job.metrics, token_times,
-                                        token_times[-1] if token_times else None)
+                                        len(job.prompt_token_ids), job.metrics, times,
+                                        token_times, token_times[-1] if token_times else None)
 
     async def _complete(self, job: Job, updates, request: Request) -> Response:
         async def consume():

@@ -10,6 +10,8 @@ import re
 import sys
 import time
 
+from onespec import __version__
+
 # name -> ("module:function" taking the command's own argv, one-line description)
 COMMANDS = {
     "demo": ("onespec.demo:main",
@@ -29,10 +31,11 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written; '(default: X)' after every option that has a default
-    (not after None or a flag's False)."""
+    (not after None, nor after a flag: --no-progress's default True says nothing)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or \
+                isinstance(action, argparse._StoreConstAction):   # store_true / store_false
             return action.help
         return super()._get_help_string(action)
 
@@ -70,7 +73,9 @@ class Parser(argparse.ArgumentParser):
 
 # ---- engine options shared by generate and serve -----------------------------------------
 def _add_engine_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", required=True, help="Hugging Face model directory (local)")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face model directory (local), or a hub id in the local cache")
+    p.add_argument("--model", default=None, help="the same as MODEL (give one of them)")
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory: speculative decoding")
     p.add_argument("--k", type=int, default=None,
                    help=f"draft length, >= 1 (with --draft; default {DEFAULT_K})")
@@ -90,6 +95,17 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    help="vLLM's form, instead of --draft/--mtp/--ngram: "
                         '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
                         "(method eagle3, mtp or ngram; any field of the method's config too)")
+    p.add_argument("--draft-len-schedule", type=draft_len_schedule, default=None,
+                   metavar="auto|B:K,...",
+                   help="draft length per step: 'auto' (a cost model picks K from 0 to the "
+                        "draft length each step, from step times measured at start-up and "
+                        "cached, and the acceptance seen; --draft or --mtp), or batch sizes "
+                        "and their K: 1:4,8:2,32:1 (up to B running requests, K drafts; "
+                        "above the largest B, none)")
+    p.add_argument("--rejection-sampling", action="store_true",
+                   help="sampled requests accept drafts by rejection sampling against the "
+                        "drafter's distribution (higher acceptance at temperature > 0), not "
+                        "by exact match with the target's sample")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -99,6 +115,13 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="FRACTION",
+                   help="the most of the free memory, in (0, 1], that the KV cache may take "
+                        "(of the GPU's after the weights are loaded; of the host's available "
+                        "memory on the CPU): EngineConfig.kv_cache_memory_fraction")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed, >= 0: the engine's sampling generator (generate: also "
+                        "the request's seed) (default: 0)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV of prompt prefixes seen before")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -118,22 +141,45 @@ def speculative_json(text: str) -> dict:
     return value
 
 
+def draft_len_schedule(text: str) -> str | dict[int, int]:
+    """--draft-len-schedule: 'auto', or 'B:K,...' (a JSON object {"B": K} too)."""
+    if text == "auto":
+        return text
+    try:
+        pairs = json.loads(text).items() if text.lstrip().startswith("{") else \
+            [item.split(":") for item in text.split(",")]
+        return {int(b): int(k) for b, k in pairs}
+    except (ValueError, TypeError, AttributeError):
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or batch sizes and draft lengths such as 1:4,8:2,32:1, "
+            f"got {text!r}") from None
+
+
 def check_engine_args(parser: argparse.ArgumentParser, args):
     """--k only means something with --draft: refuse it otherwise, and refuse K < 1;
     --draft, --mtp and --ngram are three drafters, one at a time, and --speculative-config
-    replaces them all; --sa-enhancer goes on a model drafter; tree options need --draft.
-    Which drafting options go together is combinations.py's to say, for every entry."""
+    replaces them all; --sa-enhancer goes on a model drafter; tree options need --draft; the
+    model comes as MODEL or --model. Which drafting options go together is combinations.py's
+    to say, for every entry."""
+    check_model_arg(parser, args)
     if args.speculative_config is not None:
         given = [o for o, v in (("--draft", args.draft), ("--mtp", args.mtp),
                                 ("--ngram", args.ngram), ("--k", args.k),
                                 ("--tree-topk", args.tree_topk),
                                 ("--tree-nodes", args.tree_nodes),
-                                ("--sa-enhancer", args.sa_enhancer)) if v is not None]
+                                ("--sa-enhancer", args.sa_enhancer),
+                                ("--draft-len-schedule", args.draft_len_schedule),
+                                ("--rejection-sampling", args.rejection_sampling or None))
+                 if v is not None]
         if given:
             parser.error(f"--speculative-config holds every drafting option: pass {given[0]} "
                          "inside it instead")
         return
     check_host_draft_args(parser, args)
+    if args.draft is None and args.mtp is None and args.ngram is None and \
+            (args.draft_len_schedule is not None or args.rejection_sampling):
+        parser.error("--draft-len-schedule and --rejection-sampling shape speculative "
+                     "decoding: pass a drafter (--draft, --mtp or --ngram)")
     if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
         parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
                      "--draft")
@@ -157,6 +203,20 @@ def check_engine_args(parser: argparse.ArgumentParser, args):
     if args.k < 1:
         parser.error(f"--k must be >= 1 with --draft, got {args.k}; leave out --draft to "
                      "decode without speculation")
+
+
+def check_model_arg(parser: argparse.ArgumentParser, args):
+    """Sets args.model from the positional MODEL or --model (as vLLM takes either), and
+    args.model_option to the one given, for messages."""
+    if args.model_path is not None and args.model is not None and \
+            args.model_path != args.model:
+        parser.error(f"the model is given twice, as MODEL {args.model_path!r} and --model "
+                     f"{args.model!r}: give one")
+    args.model_option = "--model" if args.model is not None else "MODEL"
+    args.model = args.model if args.model is not None else args.model_path
+    if args.model is None:
+        parser.error(f"the model is missing: {parser.prog} MODEL (a Hugging Face model "
+                     "directory), or --model MODEL")
 
 
 def check_host_draft_args(parser: argparse.ArgumentParser, args):
@@ -195,15 +255,18 @@ def resolve_model_dir(path: str, option: str) -> str:
 
 def build_llm(args):
     from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig
-    model = resolve_model_dir(args.model, "--model")
+    model = resolve_model_dir(args.model, getattr(args, "model_option", "--model"))
     draft = resolve_model_dir(args.draft, "--draft") if args.draft else None
     sa = dict(use_sa_enhancer=True, sa_min_match_len=args.sa_enhancer) \
         if args.sa_enhancer else {}
+    drafting = dict(draft_len_schedule=args.draft_len_schedule,
+                    use_rejection_sampling=args.rejection_sampling)
     tree = dict(use_dynamic_tree=True, dynamic_tree_max_topK=args.tree_topk,
                 max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree) if draft else \
-        MTPConfig(num_nextn_predict_layers=args.mtp, **sa) if args.mtp else \
-        NGramConfig(max_draft_len=args.ngram) if args.ngram else \
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree, **drafting) \
+        if draft else \
+        MTPConfig(num_nextn_predict_layers=args.mtp, **sa, **drafting) if args.mtp else \
+        NGramConfig(max_draft_len=args.ngram, **drafting) if args.ngram else \
         speculative_dict(args.speculative_config)
     import torch
     try:
@@ -212,7 +275,9 @@ def build_llm(args):
                    max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                    enable_prefix_caching=args.enable_prefix_caching,
                    tensor_parallel_size=args.tensor_parallel_size,
-                   attention_backend=args.attention_backend)
+                   attention_backend=args.attention_backend,
+                   kv_cache_memory_fraction=args.gpu_memory_utilization,
+                   seed=0 if args.seed is None else args.seed)
     except (MemoryError, torch.OutOfMemoryError) as e:   # past the checks made before
         raise ValueError(f"out of memory while building the engine for {args.model!r} "
                          f"({str(e).splitlines()[0]}); lower --max-batch-size, "
@@ -299,7 +364,6 @@ def generate_parser() -> Parser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
     return g
 
@@ -320,6 +384,7 @@ def generate_main(argv=None) -> int:
 def top_parser() -> Parser:
     parser = Parser(prog="onespec", description=__doc__,
                     epilog="`onespec COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"onespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, summary) in COMMANDS.items():
         sub.add_parser(name, help=summary, add_help=False)

@@ -39,12 +39,12 @@ TRIAL_TOKENS = 48                # tokens per prompt in each trial of a draft le
 
 
 def stream(llm, prompts, sp):
-    """Decodes prompts one at a time, printing each prompt (dimmed on a terminal) and its
-    completion."""
+    """Decodes prompts one at a time, printing each prompt and its completion under their
+    own headings (dimmed on a terminal), so that a pipe shows where one ends."""
     from onespec.cli import stream_request
     dim, plain = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
     for prompt in prompts:
-        print(f"{dim}{prompt}{plain}", end="")
+        print(f"{dim}[prompt]{plain}\n{prompt}\n{dim}[completion]{plain}")
         stream_request(llm, prompt, sp)
 
 

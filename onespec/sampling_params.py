@@ -46,6 +46,10 @@ class SamplingParams:
                      output does not depend on the batch, chunking or preemption
     stop_token_ids   integers in [0, 2**63 - 1] (the engine also checks them against the
                      vocabulary)
+    stop             None, a string or a list of non-empty strings: LLM.generate ends the
+                     output before the first of them ("stop"), as the server does
+                     (serve/detokenize.py); the token ids are those generated up to the
+                     step that completed it
     structured_outputs  None, or a StructuredOutputsParams: the output follows its JSON
                      schema, regex, choice or grammar and ends ("stop") when it is complete
     Logit processors (layers/processors.py), applied to the target's logits in this order
@@ -71,6 +75,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] | str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -107,6 +112,13 @@ class SamplingParams:
         # what the scheduler tests each emitted token against (a list scan per token would
         # let one request with a huge list slow every other)
         self.stop_token_set = frozenset(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not (isinstance(self.stop, (list, tuple)) and all(
+                isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        self.stop = list(self.stop or [])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 # defined), so the CPU suite checks their indexing and arithmetic too.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The auto draft length's cached step-time tables go to a directory of this run's own.
+os.environ.setdefault("ONESPEC_CACHE_DIR", tempfile.mkdtemp(prefix="onespec-test-cache-"))
 
 # Tiny models on a small CPU: one intra-op thread is several times faster than two.
 torch.set_num_threads(1)

@@ -156,3 +156,24 @@ def test_bench_rejects_short_acceptance_rates(capsys):
     with pytest.raises(SystemExit):
         main(["decode", *TINY, "--ks", "0,3", "--acceptance-rates", "0.7,0.5"])
     assert "--acceptance-rates" in capsys.readouterr().err
+
+
+def test_the_default_shape_fits_the_device():
+    """Llama-3-8B's 8,030,261,248 parameters; on a CPU the default is the tiny shape."""
+    import torch
+
+    from onespec.bench_models import default_shape, llama_weight_bytes
+    assert llama_weight_bytes("llama3-8b", torch.bfloat16) == 2 * 8_030_261_248
+    assert default_shape("cpu", torch.float32)[0] == "tiny"
+
+
+def test_bench_exits_non_zero_when_a_configuration_fails(capsys):
+    """Prompts longer than the shape's 131072 positions: every engine fails to build."""
+    code = main(["decode", "--device", "cpu", "--batch-sizes", "1", "--ks", "0",
+                 "--gen-len", "2", "--trials", "1", "--no-hf", "--prompt-len", "200000"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows and all("error" in r for r in rows) and rows[0]["model"] == "tiny-shape"
+    assert "[--shape tiny: " in err
+    assert f"onespec bench: error: {len(rows)} of {len(rows)} configurations failed" in err

@@ -134,7 +134,8 @@ def test_readme_serving_commands_work_as_written(tmp_path):
         assert printed.getvalue().startswith(completion.outputs[0].text + "\n")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         chat = client.chat.completions.create(
-            model="target", max_tokens=16, messages=[{"role": "user", "content": "add a, b"}])
+            model="target", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "add a, b"}])
         ids = plain.engine.tokenizer.encode("# add a, b\n", add_special_tokens=False)
         assert chat.usage.prompt_tokens == len(ids)
         expected = plain.generate([ids], SamplingParams(max_tokens=16))[0].outputs[0].text

@@ -103,13 +103,14 @@ def test_reference_counts_and_lru_eviction_order():
     pool.free(b.block_table)                                      # b's blocks parked
     pool.free(shared.block_table)                                 # a's blocks parked later
     assert pool.num_free_blocks == pool.num_blocks                # cached blocks are free
-    # never-cached blocks go first, then parked ones, least recently released first and
-    # each request's tail before its head: b's 4, 3, then a's 1, 0
+    # never-cached blocks go first, most recently freed first (6, 5, 2: their pages are
+    # resident), then parked ones, least recently released first and each request's tail
+    # before its head: b's 4, 3, then a's 1, 0
     order = []
     for _ in range(pool.num_blocks):
         pool.allocate(table := [], 1)
         order += table
-    assert order == [2, 5, 6, 4, 3, 1, 0]
+    assert order == [6, 5, 2, 4, 3, 1, 0]
     assert pool.match_prefix(request(list(range(10, 18)) + [2])) == []   # all evicted
     assert pool.cache.table == {} and pool.cache.records == {}
 

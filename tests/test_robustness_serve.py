@@ -57,6 +57,7 @@ def server(model_dir, tmp_path_factory):
 def expected_streams(server) -> list[str]:
     client = server.client()
     return [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=STREAM_TOKENS,
+                                      temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
             for p in STREAM_PROMPTS]
 
@@ -75,7 +76,7 @@ class UnderLoad:
     def _stream(self, prompt) -> str:
         chunks = self.server.client(timeout=60).completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=STREAM_TOKENS, stream=True,
-            extra_body={"ignore_eos": True})
+            temperature=0, extra_body={"ignore_eos": True})
         return "".join(c.choices[0].text for c in chunks)
 
     def _poll_health(self):

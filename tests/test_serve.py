@@ -272,6 +272,7 @@ def test_stop_strings_and_stop_token_ids(server, offline):
     stop_id = full.token_ids[6]
     exp = greedy(offline, [prompt], max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])[0]
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40,
+                                  temperature=0,
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
                                               "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == exp.token_ids
@@ -488,7 +489,7 @@ def test_draft_server_same_greedy_text_with_spec_metrics(servers, offline):
             <= spec["num_draft_tokens"]
         assert spec["acceptance_length"] == pytest.approx(24 / spec["target_steps"])
     chunks = list(client.completions.create(model="tiny-eagle", prompt="hello world",
-                                            max_tokens=24, stream=True,
+                                            max_tokens=24, stream=True, temperature=0,
                                             extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == expected[0].text
     m = draft.metrics()
@@ -510,11 +511,11 @@ def test_cached_tokens_reach_the_openai_client(servers, offline, which):
     expected = greedy(offline, [prompt], max_tokens=8, ignore_eos=True)[0]
     before = srv.metrics()
     client = srv.client()
-    first = client.completions.create(model=name, prompt=prompt, max_tokens=8,
+    first = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     chunks = list(client.completions.create(
-        model=name, prompt=prompt, max_tokens=8, stream=True,
+        model=name, prompt=prompt, max_tokens=8, stream=True, temperature=0,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.prompt_tokens == 40
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32

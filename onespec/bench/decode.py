@@ -31,8 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from onespec.bench.hf import run_hf
-from onespec.bench.models import (SHAPES, copy_bandwidth, release_memory, shape_label,
-                                  step_floor_parts, sync, write_model_dirs)
+from onespec.bench.models import (SHAPES, copy_bandwidth, default_shape, release_memory,
+                                  shape_label, step_floor_parts, sync, write_model_dirs)
 from onespec.bench.moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
 from onespec.speculative.cost_model import expected_tokens
@@ -67,8 +67,10 @@ def parse_args(argv):
     p.add_argument("--trials", type=int, default=3,
                    help="timed runs of --gen-len tokens per onespec configuration; step_ms "
                         "is their median (each run's in step_ms_trials); transformers: one")
-    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES) + sorted(MTP_SHAPES),
-                   help="MLA + MoE shapes (%s) draft with their MTP layer" % ", ".join(MTP_SHAPES))
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES) + sorted(MTP_SHAPES),
+                   help="MLA + MoE shapes (%s) draft with their MTP layer; default: "
+                        "llama3-8b on a GPU where its weights fit, else tiny"
+                        % ", ".join(MTP_SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"], help="where to run")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
@@ -405,6 +407,9 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("onespec bench: error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
+    if args.shape is None:
+        args.shape, why = default_shape(args.device, getattr(torch, args.dtype))
+        print(f"[{why}]", file=sys.stderr)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     label = shape_label(args.shape)
     rows: list[dict] = []
@@ -420,6 +425,12 @@ def main(argv=None) -> int:
         plot_throughput(rows, args.plot, f"{label} on {device_name}, {args.dtype}")
         print(f"[plot written to {args.plot}]", file=sys.stderr)
     print(f"[bench done in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+    failed = [row for row in rows if "error" in row]
+    if failed:
+        print(f"onespec bench: error: {len(failed)} of {len(rows)} configurations failed "
+              f"(their JSON lines carry \"error\"); the first: {failed[0]['error']}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -34,6 +34,37 @@ COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 
 
+# the shape `onespec bench` runs when none is given: the first that fits the device
+DEFAULT_SHAPES = {"cuda": ("llama3-8b", "tiny"), "cpu": ("tiny",)}
+FIT_MARGIN = 1.5          # free memory needed, in multiples of the target's weights
+
+
+def llama_weight_bytes(shape: str, dtype: torch.dtype) -> int:
+    """The weights of a SHAPES target (embedding, layers, lm_head), in bytes."""
+    _, t, _ = SHAPES[shape]
+    h, v, i = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
+    d = h // t["num_attention_heads"]
+    attn = h * d * (2 * t["num_attention_heads"] + 2 * t["num_key_value_heads"])
+    params = 2 * v * h + t["num_hidden_layers"] * (attn + 3 * h * i + 2 * h) + h
+    return params * dtype.itemsize
+
+
+def default_shape(device: str, dtype: torch.dtype) -> tuple[str, str]:
+    """(shape, why): on a GPU the 8B shape where FIT_MARGIN times its weights are free,
+    else tiny; on a CPU tiny (an 8B float32 model needs ~32 GB and minutes a step)."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+    else:
+        from onespec.engine.kv_cache import available_host_memory
+        free = available_host_memory()
+    for shape in DEFAULT_SHAPES[device]:
+        need = FIT_MARGIN * llama_weight_bytes(shape, dtype)
+        if need <= free:
+            return shape, (f"--shape {shape}: the first default for {device} whose weights "
+                           f"fit ({need / 2**30:.1f} of {free / 2**30:.1f} GiB free)")
+    return DEFAULT_SHAPES[device][-1], f"--shape {DEFAULT_SHAPES[device][-1]}: the smallest"
+
+
 def shape_label(shape: str) -> str:
     return MTP_SHAPES[shape][0] if shape in MTP_SHAPES else SHAPES[shape][0]
 

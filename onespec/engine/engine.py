@@ -1,6 +1,7 @@
 """The engine: add_request, then step() = schedule -> run -> postprocess."""
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -16,7 +17,8 @@ from onespec.distributed.layers import tensor_parallel_ops
 from onespec.distributed.workers import DriverWorker, start_workers
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import BlockPool, allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, available_host_memory,
+                                     kv_bytes_per_block, return_freed_host_memory)
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.prefix_cache import PrefixCache
 from onespec.engine.request import Request, RequestStatus
@@ -43,9 +45,14 @@ from onespec.speculative.acceptors import ForcedAcceptor, make_acceptor
 from onespec.speculative.worker import SpecWorker
 from onespec.structured.backend import GrammarBackend
 
-CPU_KV_BUDGET_BYTES = 4 << 30
-
 logger = logging.getLogger("onespec.engine")
+# what close() drops: the cache tensors of attention layers, and the engine's parts that
+# hold tensors or threads (some refer to each other, so dropping the engine alone would
+# leave them to the garbage collector)
+RELEASED_LAYER_TENSORS = ("k_cache", "v_cache", "kv_pool", "latent_cache")
+RELEASED_ENGINE_PARTS = ("model", "drafter", "host_drafter", "runner", "scheduler", "pool",
+                         "policy", "grammars", "thinking", "gate", "_fixed_draft_len", "generator",
+                         "requests")
 
 
 def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
@@ -188,9 +195,32 @@ class Engine:
             self.workers.wait_ready()
 
     def close(self):
-        """Stops the tensor-parallel workers (nothing to do on one rank); idempotent."""
+        """Stops the tensor-parallel workers and releases every tensor the engine holds
+        (the KV pool, CUDA graphs, the target's and drafter's weights), so that their
+        memory comes back now rather than at the next garbage collection; idempotent.
+        The engine runs no step after it (stats() still answers)."""
         if self.workers is not None:
             self.workers.shutdown()
+        self._inflight = None
+        self._release_kv_cache()
+        for name in RELEASED_ENGINE_PARTS:
+            setattr(self, name, None)
+        # building a model under torch.device("meta") leaves reference cycles of frames
+        # that hold it: only a collection frees the weights
+        gc.collect()
+        return_freed_host_memory()
+        if getattr(getattr(self, "device", None), "type", None) == "cuda":
+            torch.cuda.empty_cache()
+
+    def _release_kv_cache(self):
+        """Drops every attention layer's cache tensors (views of the pool that other
+        objects, such as captured graphs, may also hold)."""
+        drafter = getattr(self, "drafter", None)
+        for module in (getattr(self, "model", None), drafter and drafter.head):
+            for layer in module.modules() if module is not None else ():
+                for name in RELEASED_LAYER_TENSORS:
+                    if getattr(layer, name, None) is not None:
+                        setattr(layer, name, None)
 
     # ---- draft length and acceptance: set by the engine's owner, never from outside ----
     def calibrate(self):
@@ -299,12 +329,12 @@ class Engine:
         blocks_per_seq = -(-(self.max_model_len + self.shape.gen_slots(k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
-        else:      # a fraction of free memory, but never more than the batch can use
+        else:      # what the batch can use, capped by a fraction of free memory
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cfg.kv_cache_memory_fraction)
-            else:
-                budget = CPU_KV_BUDGET_BYTES
+            else:    # (a CPU pool takes pages only as blocks are written: zeros_on_write)
+                free = available_host_memory()
+            budget = int(free * cfg.kv_cache_memory_fraction)
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
             if self.parallel:       # every rank holds the same blocks
                 num = self.parallel.min_int(num)
@@ -344,7 +374,13 @@ class Engine:
                              f"({drafter.draft_vocab_size}), got {self.tree.top_k}")
 
     # ---- requests ----------------------------------------------------------------------
+    def _check_open(self):
+        if self.scheduler is None:
+            raise RuntimeError("this engine is closed (close() released its model and KV "
+                               "cache); build a new one")
+
     def tokenize(self, prompt) -> list[int]:
+        self._check_open()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer files: "
@@ -366,6 +402,7 @@ class Engine:
         """Queues one request. cache_salt: its prefix-cache namespace (only requests with
         the same salt share cached blocks); compiled_grammar: the xgrammar grammar of its
         structured_outputs when the caller compiled it already (the server does)."""
+        self._check_open()
         self.calibrate()
         sp = sampling_params or SamplingParams()
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
@@ -390,6 +427,7 @@ class Engine:
         if sp.structured_outputs is not None:
             self.check_structured_outputs()
         req = Request(rid, ids, sp, cache_salt=cache_salt)
+        req.times.arrival_time = time.monotonic()
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
             req.grammar = self.grammars.matcher(sp.structured_outputs, compiled_grammar)
         self.requests[rid] = req

@@ -1,6 +1,10 @@
 """Paged KV block pool shared by every target and draft attention layer."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import os
 from collections import deque
 
 import torch
@@ -36,6 +40,8 @@ class BlockPool:
         if need > self.num_free_blocks:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
+            # (freed blocks go back to the front: reused first, the pool's pages that
+            # requests have written stay few; see zeros_on_write)
             block = self.free_blocks.popleft() if self.free_blocks else self.cache.evict()
             self.ref_counts[block] = 1
             block_table.append(block)
@@ -49,7 +55,7 @@ class BlockPool:
                 if self.cache is not None and self.cache.holds(block):
                     self.cache.park(block)
                 else:
-                    self.free_blocks.append(block)
+                    self.free_blocks.appendleft(block)
         block_table.clear()
 
     # ---- prefix caching ----------------------------------------------------------------
@@ -113,6 +119,43 @@ def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
         else:
             groups.setdefault((a.num_kv_heads, a.head_dim, a.o_proj.weight.dtype), []).append(a)
     for (heads, dim, dtype), layers in groups.items():
-        pool = torch.zeros(2, len(layers), slots, heads, dim, dtype=dtype, device=device)
+        pool = zeros_on_write((2, len(layers), slots, heads, dim), dtype, device)
         for i, a in enumerate(layers):
             a.k_cache, a.v_cache, a.kv_pool = pool[0, i], pool[1, i], pool
+
+
+def zeros_on_write(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(shape). On the CPU the tensor lives in anonymous mapped memory, whose
+    pages the OS hands out zeroed when they are first written: a pool sized for what the
+    configuration can use costs resident memory only for the blocks requests fill, and
+    all of it goes back to the OS when the tensor is freed (no allocator keeps it)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if torch.device(device).type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)    # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def available_host_memory() -> int:
+    """Bytes the OS could give this process without swapping (MemAvailable on Linux;
+    elsewhere the physical memory's free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def return_freed_host_memory():
+    """Hands the C heap's free pages back to the OS (glibc keeps freed small allocations,
+    such as a checkpoint's tensors, for reuse): what a closed engine held leaves the
+    process's resident memory. Nothing to do where the C library has no malloc_trim."""
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -41,6 +41,16 @@ class RequestMetrics:
 
 
 @dataclass
+class RequestTimes:
+    """When (time.monotonic(), seconds) the engine took the request, first scheduled it
+    (the time in between is its queue time) and appended its first output token; vLLM's
+    names. Apart from RequestMetrics, whose counters equal run for run."""
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -63,6 +73,7 @@ class Request:
     sa_draft_span: tuple[int, int] = (0, 0)    # [start, end) of draft_tokens from the automaton
     sa_match: bool = False     # the automaton matched at the last proposal (used or not)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    times: RequestTimes = field(default_factory=RequestTimes)
     # prefix caching (engine/prefix_cache.py): hashes of full blocks so far, and the cache
     # records of the blocks this request computed or found cached, in order
     block_hashes: list[bytes] = field(default_factory=list)

@@ -2,6 +2,7 @@
 preemption by recompute when the block pool runs dry."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -129,8 +130,9 @@ class Scheduler:
                 break
             self.pool.admit(req, hits, slots)
             req.num_computed = start
-            if req.metrics.num_cached_tokens is None:
+            if req.metrics.num_cached_tokens is None:      # (not again after preemption)
                 req.metrics.num_cached_tokens = start
+                req.times.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -217,6 +219,8 @@ class Scheduler:
         scored = logprobs is not None and sp.logprobs is not None
         if scored and req.logprobs is None:
             req.logprobs = []
+        if tokens and not req.output_token_ids:
+            req.times.first_token_time = time.monotonic()
         for i, t in enumerate(tokens):
             req.output_token_ids.append(t)
             if scored:

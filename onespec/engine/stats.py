@@ -58,6 +58,8 @@ class SpecStats:
                                 if t.num_draft_tokens else 0.0),
             "acceptance_rate_per_position": [a / p if p else 0.0
                                              for a, p in zip(self.accepted, self.proposed)],
+            "num_draft_tokens_per_position": list(self.proposed),
+            "num_accepted_tokens_per_position": list(self.accepted),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
             "prefix_cache_hit_rate": (self.num_cached_tokens / self.num_prompt_tokens

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onespec.engine.kv_cache import zeros_on_write
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
@@ -267,8 +268,8 @@ class MLAttention(nn.Module):
         return self.num_heads * per_head * self.o_proj.weight.element_size()
 
     def allocate_cache(self, num_slots: int, device):
-        self.latent_cache = torch.zeros(num_slots, self.kv_lora_rank + self.rope_dim,
-                                        dtype=self.o_proj.weight.dtype, device=device)
+        self.latent_cache = zeros_on_write((num_slots, self.kv_lora_rank + self.rope_dim),
+                                           self.o_proj.weight.dtype, device)
 
     def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None):

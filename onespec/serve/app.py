@@ -16,6 +16,7 @@ from onespec.serve.errors import APIError, ClientGone, install_error_handlers
 from onespec.serve.limits import ServerLimits
 from onespec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onespec.serve.serving import OpenAIServing
+from onespec.serve.stats_log import StatsLogger
 
 # /health answers 503 while a request has been in admission (parsing, templating,
 # tokenizing, compiling its grammar) this long: admission is stuck
@@ -106,14 +107,15 @@ def _too_large(what: str, limit: int) -> APIError:
 
 def create_app(llm, served_model_name: str, api_key: str | list[str] | None = None,
                max_request_body_bytes: int | None = None, limits: ServerLimits | None = None,
-               cache_salt_per_api_key: bool = True,
-               tool_call_parser: str | None = None) -> FastAPI:
+               cache_salt_per_api_key: bool = True, tool_call_parser: str | None = None,
+               log_stats_interval: float | None = None) -> FastAPI:
     """An OpenAI-compatible app over `llm` (an onespec.LLM). Its lifespan starts the engine
     loop, so run it under an ASGI server (or `with TestClient(app)`). With API keys the
     /docs, /redoc and /openapi.json pages are off, and (cache_salt_per_api_key) each key
     has its own prefix-cache namespace. max_request_body_bytes overrides limits' value.
     tool_call_parser ("hermes", "llama3_json", "mistral"): reads tool calls of
-    tool_choice "auto" from the model's output."""
+    tool_choice "auto" from the model's output. log_stats_interval: seconds between the
+    stats lines logged while there is work (None: none)."""
     limits = limits or ServerLimits()
     if max_request_body_bytes is not None:
         limits = ServerLimits(**{**limits.__dict__,
@@ -122,13 +124,17 @@ def create_app(llm, served_model_name: str, api_key: str | list[str] | None = No
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(llm.engine.max_draft_len)
     serving = OpenAIServing(loop, served_model_name, metrics, limits, tool_call_parser)
+    stats_log = StatsLogger(loop, log_stats_interval) if log_stats_interval else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         loop.start()
+        stats_task = asyncio.create_task(stats_log.run()) if stats_log else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await loop.stop()
             serving.close()
 

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from onespec.distributed import WorkerFailure
 from onespec.engine.engine import Engine
-from onespec.engine.request import Request, RequestMetrics
+from onespec.engine.request import Request, RequestMetrics, RequestTimes
 from onespec.sampling_params import SamplingParams
 
 logger = logging.getLogger("onespec.serve")
@@ -33,6 +33,7 @@ class StepUpdate:
     error: str | None = None                   # the engine failed: the request is dropped
     logprobs: list | None = None               # entries of new_token_ids (if asked for)
     prompt_logprobs: list | None = None        # in a request's first update (if asked for)
+    times: RequestTimes | None = None          # when it arrived, was scheduled, ...
 
 
 @dataclass
@@ -65,6 +66,8 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.snapshot = EngineSnapshot()
+        self.num_prompt_tokens = 0       # of requests added, and tokens sent to requests
+        self.num_generated_tokens = 0    # (the periodic stats line reads them)
         self._take_snapshot()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -188,6 +191,7 @@ class EngineLoop:
         except Exception as e:             # ValueError: bad request; the caller decides
             fut.set_exception(e)
             return
+        self.num_prompt_tokens += len(req.prompt_token_ids)
         stream = _Stream(req, asyncio.Queue())
         self._streams[request_id] = stream
         fut.set_result(stream.queue)
@@ -206,6 +210,7 @@ class EngineLoop:
             first, sent = stream.num_sent == 0, stream.num_sent
             new = req.output_token_ids[sent:]
             stream.num_sent += len(new)
+            self.num_generated_tokens += len(new)
             reason = req.finish_reason if req.is_finished else None
             if reason == "error":          # this request alone failed in the engine step
                 update = StepUpdate([], None, copy.copy(req.metrics),
@@ -214,7 +219,8 @@ class EngineLoop:
                 update = StepUpdate(
                     new, reason, copy.copy(req.metrics),
                     logprobs=None if req.logprobs is None else req.logprobs[sent:],
-                    prompt_logprobs=req.prompt_logprobs if first else None)
+                    prompt_logprobs=req.prompt_logprobs if first else None,
+                    times=copy.copy(req.times))
             stream.queue.put_nowait(update)
             if req.is_finished:
                 del self._streams[req.request_id]

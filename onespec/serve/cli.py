@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from dataclasses import fields
 
@@ -45,14 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", help="server log level",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a line of running and waiting requests, throughput, acceptance "
+                        "length and KV use every SECONDS while there is work (0: never)")
     return p
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes, not as it was at set-up (main()
+    may run inside a process that swaps it, as a test runner does)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(level: str):
-    """onespec's own log lines (engine failures, disconnects) in uvicorn's format."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    """onespec's own log lines (the start-up summary, stats, engine failures,
+    disconnects) in uvicorn's format; once per process, however often main() runs."""
     logger = logging.getLogger("onespec")
+    for old in [h for h in logger.handlers if isinstance(h, StderrHandler)]:
+        logger.removeHandler(old)
+    handler = StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
@@ -78,6 +95,23 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn binds it, taken before the model loads so
+    that a port in use fails at once; uvicorn then listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another process listens there: stop it or pass another --port)" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -91,15 +125,33 @@ def main(argv=None) -> int:
         print("onespec serve: error: --enable-auto-tool-choice and --tool-call-parser go "
               "together", file=sys.stderr)
         return 2
+    if not args.log_stats_interval >= 0:
+        print("onespec serve: error: --log-stats-interval must be >= 0 seconds, got "
+              f"{args.log_stats_interval}", file=sys.stderr)
+        return 2
     try:
         limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
     except ValueError as e:
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
-    import uvicorn                  # a missing server module: one line from onespec.cli
+    import uvicorn  # noqa: F401    # a missing server module: one line from onespec.cli
+    try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _load_and_serve(args, listener, limits)
+    finally:
+        listener.close()
+
+
+def _load_and_serve(args, listener: socket.socket, limits: ServerLimits) -> int:
+    import uvicorn
 
     from onespec.cli import build_llm
     from onespec.serve.app import create_app
+    configure_logging(args.log_level)     # the engine's start-up summary is logged
     try:
         template = read_chat_template(args.chat_template) if args.chat_template else None
         llm = build_llm(args)
@@ -111,13 +163,14 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:          # bad files or settings: one line, no trace
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level)
     app = create_app(llm, args.served_model_name or served_name(args.model), args.api_key,
                      limits=limits, cache_salt_per_api_key=args.cache_salt_per_api_key,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     log_stats_interval=args.log_stats_interval or None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[listener])
     finally:                        # Ctrl-C too: the tensor-parallel workers stop with us
         llm.close()
     return 0

@@ -1,12 +1,26 @@
-"""Prometheus metrics, in a registry of the server's own (no process-global state)."""
+"""Prometheus metrics, in a registry of the server's own (no process-global state).
+
+Latency histograms and speculative counters carry vLLM's names with onespec's prefix
+(vllm:time_to_first_token_seconds -> onespec_time_to_first_token_seconds), so dashboards
+built for one read the other with the prefix changed."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from onespec.engine.request import RequestMetrics
+from onespec.engine.request import RequestMetrics, RequestTimes
 from onespec.serve.async_engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets (seconds), with sub-10-ms ones added for a GPU's inter-token gaps
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# finish reasons of requests that ran to their end (not aborted, not failed): their
+# latencies are observed
+COMPLETED = ("stop", "length")
 
 
 class ServerMetrics:
@@ -63,11 +77,42 @@ class ServerMetrics:
         self.step_time = Gauge("onespec_draft_len_step_seconds",
                                "Auto draft length: step time table by batch bucket and K",
                                ["bucket", "k"], registry=r)
+        self.ttft = Histogram("onespec_time_to_first_token_seconds",
+                              "Time from the engine taking a request to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("onespec_inter_token_latency_seconds",
+                             "Time between a request's consecutive engine steps that emitted "
+                             "tokens (a speculative step emits several)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("onespec_e2e_request_latency_seconds",
+                             "Time from the engine taking a request to its last token",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("onespec_request_queue_time_seconds",
+                                    "Time a request waited in the engine before its first step",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.drafts = Counter("onespec_spec_decode_num_drafts",
+                              "Request-steps that verified drafts", registry=r)
+        self.draft_tokens_per_pos = Counter(
+            "onespec_spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified at each draft position (1 = the first draft)",
+            ["position"], registry=r)
+        self.accepted_per_pos = Counter(
+            "onespec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (1 = the first draft)",
+            ["position"], registry=r)
         self._steps_seen: dict[int, int] = {}
+        self._seen: dict[tuple, int] = {}
 
     def record_request(self, endpoint: str, finish_reason: str, num_prompt_tokens: int,
-                       m: RequestMetrics):
+                       m: RequestMetrics, times: RequestTimes | None = None,
+                       token_times: list[float] = (), end: float | None = None):
+        """times: the engine's (arrival, first scheduled); token_times: when
+        (time.monotonic()) each engine step that emitted tokens for the request reached the
+        server; end: when its last one did. A request that ran to its end (COMPLETED) is
+        observed in the latency histograms, measured from its arrival."""
         self.requests.labels(endpoint, finish_reason).inc()
+        if finish_reason in COMPLETED and times is not None and times.arrival_time is not None:
+            self._observe_latencies(times, list(token_times), end)
         self.prompt_tokens.inc(num_prompt_tokens)
         if m.num_cached_tokens is not None:            # None: never scheduled
             self.cache_queries.inc(num_prompt_tokens)
@@ -81,6 +126,18 @@ class ServerMetrics:
         if m.target_steps:
             self.acceptance_hist.observe(m.acceptance_length)
 
+    def _observe_latencies(self, times: RequestTimes, token_times: list[float],
+                           end: float | None):
+        start = times.arrival_time
+        if times.first_scheduled_time is not None:
+            self.queue_time.observe(times.first_scheduled_time - start)
+        if token_times:
+            self.ttft.observe(token_times[0] - start)
+            for before, after in zip(token_times, token_times[1:]):
+                self.itl.observe(after - before)
+        if end is not None:
+            self.e2e.observe(end - start)
+
     def render(self, snap: EngineSnapshot) -> bytes:
         self.kv_blocks_total.set(snap.num_blocks)
         self.kv_blocks_free.set(snap.num_free_blocks)
@@ -91,7 +148,22 @@ class ServerMetrics:
         self.acceptance_length.set(snap.stats.get("acceptance_length", 0.0))
         self.cache_hit_rate.set(snap.stats.get("prefix_cache_hit_rate", 0.0))
         self._render_draft_len(snap.stats)
+        self._render_positions(snap.stats)
         return generate_latest(self.registry)
+
+    def _advance(self, counter, key: tuple, total: int):
+        """Moves a counter on by what the engine's running total gained since last time."""
+        counter.inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = total
+
+    def _render_positions(self, stats: dict):
+        """Per-position acceptance, from the engine's running totals (llm.stats())."""
+        self._advance(self.drafts, ("drafts",),
+                      sum(stats.get("accepted_path_length_counts", [])))
+        for j, n in enumerate(stats.get("num_draft_tokens_per_position", [])):
+            self._advance(self.draft_tokens_per_pos.labels(str(j + 1)), ("draft", j), n)
+        for j, n in enumerate(stats.get("num_accepted_tokens_per_position", [])):
+            self._advance(self.accepted_per_pos.labels(str(j + 1)), ("accepted", j), n)
 
     def _render_draft_len(self, stats: dict):
         """Chosen-K counters (moved on by the steps since the last scrape) and, with the

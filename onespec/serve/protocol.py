@@ -248,8 +248,11 @@ class _GenerationRequest(_Strict):
                                param="logit_bias")
 
     def sampling_params(self, default_max_tokens: int,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Builds SamplingParams; a ValueError (which names the field) becomes a 400."""
+                        structured: StructuredOutputsParams | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """Builds SamplingParams; a ValueError (which names the field) becomes a 400.
+        defaults: temperature, top_p, top_k for the fields the request leaves out (the
+        model's generation config, serving.generation_defaults)."""
         max_tokens, max_tokens_field = self.requested_max_tokens()
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                       ignore_eos=self.ignore_eos, structured_outputs=structured,
@@ -258,6 +261,8 @@ class _GenerationRequest(_Strict):
         for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens"):
             value = getattr(self, name)
+            if value is None:
+                value = (defaults or {}).get(name)
             if value is not None:
                 kwargs[name] = value
         if self.logit_bias:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,27 @@ PROBE_CHARS_PER_TOKEN = 8
 PROBE_MARGIN_TOKENS = 64
 # one compiled grammar may take at most this share of the grammar cache's bytes
 MAX_GRAMMAR_CACHE_SHARE = 4
+# sampling fields a request may leave out, taken then from the model's generation config;
+# without one there, temperature 1.0 (as OpenAI and vLLM)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
+DEFAULT_TEMPERATURE = 1.0
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """{temperature, top_p, top_k} from the model's generation_config.json, where it sets
+    them; temperature 1.0 where it does not."""
+    defaults = {}
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict):
+        defaults = {k: config[k] for k in GENERATION_DEFAULT_FIELDS
+                    if isinstance(config.get(k), (int, float)) and
+                    not isinstance(config.get(k), bool)}
+    defaults.setdefault("temperature", DEFAULT_TEMPERATURE)
+    return defaults
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -109,6 +131,7 @@ class OpenAIServing:
         self.grammars.cache_bytes = self.limits.grammar_cache_bytes
         self.compile_pool: GrammarCompilePool | None = None     # started on first use
         self.metrics = metrics
+        self.defaults = generation_defaults(engine.config.model)
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * longest_token_chars(self.tokenizer) * CHARS_PER_TOKEN_SLACK
         self.executor = ThreadPoolExecutor(max_workers=self.limits.admission_threads,
@@ -304,7 +327,7 @@ class OpenAIServing:
                 raise APIError(f"{field.split('.')[0]} and a forced tool_choice both constrain "
                                "the output: send one of them", param="tool_choice")
             structured, field = forced, "tool_choice"
-        sp = req.sampling_params(default_max_tokens, structured)
+        sp = req.sampling_params(default_max_tokens, structured, self.defaults)
         if structured is not None:
             self._check_spec(structured, field)
         n = req.num_decoded
@@ -481,10 +504,16 @@ class OpenAIServing:
     async def _advance(self, reply: Reply, job: Job,
                        updates) -> AsyncIterator[tuple[Job, str, list[int]]]:
         """Yields (job, text delta, new token ids) per engine step until the job is
-        finished; records the request in the metrics however it ends."""
+        finished; records the request in the metrics however it ends (with the times its
+        tokens arrived, for the latency histograms)."""
+        token_times: list[float] = []
+        times = None
         try:
             async with aclosing(updates) as it:
                 async for u in it:
+                    if u.new_token_ids:
+                        token_times.append(time.monotonic())
+                    times = u.times
                     job.metrics = u.metrics
                     if u.prompt_logprobs is not None:
                         job.prompt_logprobs = u.prompt_logprobs
@@ -499,7 +528,8 @@ class OpenAIServing:
                         return          # a stop string: closing `updates` aborts the request
         finally:
             self.metrics.record_request(reply.kind, job.finish_reason or "abort",
-                                        len(job.prompt_token_ids), job.metrics)
+                                        len(job.prompt_token_ids), job.metrics, times,
+                                        token_times, token_times[-1] if token_times else None)
 
     async def _complete(self, reply: Reply, streams: list, request: Request) -> Response:
         async def consume():

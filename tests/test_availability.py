@@ -366,3 +366,25 @@ def test_health_reports_stuck_admission(tmp_path):
     finally:
         release.set()
         llm.close()
+
+
+def test_a_tree_server_refuses_structured_outputs_before_compiling():
+    """Row 2: a server that cannot constrain outputs (tree drafting) answers 400 at once,
+    without compiling the grammar first."""
+    from fastapi.testclient import TestClient
+
+    from onespec import LLM, Eagle3Config
+    from onespec.serve.app import create_app
+    llm = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2,
+              speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3, use_dynamic_tree=True,
+                                              dynamic_tree_max_topK=2))
+    try:
+        with TestClient(create_app(llm, NAME)) as c:
+            start = time.monotonic()
+            r = c.post("/v1/chat/completions", json=slow_schema_body())
+            assert r.status_code == 400 and "use_dynamic_tree" in r.json()["error"]["message"]
+            assert time.monotonic() - start < SMALL_REQUEST_S
+            serving = c.app.state.serving
+            assert serving.compile_pool is None and serving.grammars.cached_bytes == 0
+    finally:
+        llm.close()

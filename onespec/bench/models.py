@@ -55,8 +55,8 @@ def default_shape(device: str, dtype: torch.dtype) -> tuple[str, str]:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
     else:
-        from onespec.engine.kv_cache import available_host_memory
-        free = available_host_memory()
+        from onespec.engine.memory import available_bytes
+        free = available_bytes(torch.device("cpu"))
     for shape in DEFAULT_SHAPES[device]:
         need = FIT_MARGIN * llama_weight_bytes(shape, dtype)
         if need <= free:

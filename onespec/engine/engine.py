@@ -17,8 +17,8 @@ from onespec.distributed.layers import tensor_parallel_ops
 from onespec.distributed.workers import DriverWorker, start_workers
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, available_host_memory,
-                                     kv_bytes_per_block, return_freed_host_memory)
+from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
+                                     return_freed_host_memory)
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.prefix_cache import PrefixCache
 from onespec.engine.request import Request, RequestStatus
@@ -31,7 +31,7 @@ from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.loader import read_config
 from onespec.models.mtp import load_mtp_head
-from onespec.engine.memory import require_bytes
+from onespec.engine.memory import available_bytes, require_bytes
 from onespec.models.registry import (load_target, load_tokenizer, resolve_device, resolve_dtype,
                                      target_class)
 from onespec.sampling_params import SamplingParams
@@ -329,12 +329,9 @@ class Engine:
         blocks_per_seq = -(-(self.max_model_len + self.shape.gen_slots(k)) // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num = cfg.num_kv_blocks
-        else:      # what the batch can use, capped by a fraction of free memory
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-            else:    # (a CPU pool takes pages only as blocks are written: zeros_on_write)
-                free = available_host_memory()
-            budget = int(free * cfg.kv_cache_memory_fraction)
+        else:      # what the batch can use, capped by a fraction of free memory (a CPU
+            #        pool takes pages only as blocks are written: zeros_on_write)
+            budget = int(available_bytes(self.device) * cfg.kv_cache_memory_fraction)
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
             if self.parallel:       # every rank holds the same blocks
                 num = self.parallel.min_int(num)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
 from collections import deque
 
 import torch
@@ -136,19 +135,6 @@ def zeros_on_write(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.
         return torch.zeros(shape, dtype=dtype, device=device)
     buffer = mmap.mmap(-1, numel * dtype.itemsize)    # the tensor keeps it alive
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
-
-
-def available_host_memory() -> int:
-    """Bytes the OS could give this process without swapping (MemAvailable on Linux;
-    elsewhere the physical memory's free pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def return_freed_host_memory():

@@ -422,8 +422,7 @@ class OpenAIServing:
 
     # ---- /tokenize and /detokenize ----------------------------------------------------------
     async def tokenize(self, body: bytes) -> dict:
-        return await asyncio.get_running_loop().run_in_executor(self.executor,
-                                                                self._tokenize, body)
+        return await self._on_admission_thread(self._tokenize, body)
 
     def _tokenize(self, body: bytes) -> dict:
         req = parse_body(TokenizeRequest, body)
@@ -439,8 +438,11 @@ class OpenAIServing:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: bytes) -> dict:
-        return await asyncio.get_running_loop().run_in_executor(self.executor,
-                                                                self._detokenize, body)
+        return await self._on_admission_thread(self._detokenize, body)
+
+    async def _on_admission_thread(self, fn, body: bytes) -> dict:
+        with self._admission():
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, body)
 
     def _detokenize(self, body: bytes) -> dict:
         req = parse_body(DetokenizeRequest, body)

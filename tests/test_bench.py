@@ -162,7 +162,7 @@ def test_the_default_shape_fits_the_device():
     """Llama-3-8B's 8,030,261,248 parameters; on a CPU the default is the tiny shape."""
     import torch
 
-    from onespec.bench_models import default_shape, llama_weight_bytes
+    from onespec.bench.models import default_shape, llama_weight_bytes
     assert llama_weight_bytes("llama3-8b", torch.bfloat16) == 2 * 8_030_261_248
     assert default_shape("cpu", torch.float32)[0] == "tiny"
 

@@ -35,13 +35,15 @@ from onespec.models.registry import (load_target, load_tokenizer, resolve_device
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.eagle3 import Eagle3Drafter
-from onespec.speculative.host_drafts import NGramDrafter, make_host_drafter, record_sa_outcome
+from onespec.speculative.host_drafts import (NGramDrafter, automaton_matched, host_span,
+                                             make_host_drafter, record_sa_outcome)
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.thinking import ThinkingPhase
 from onespec.speculative.acceptors import ForcedAcceptor, make_acceptor
 from onespec.speculative.worker import SpecWorker
 from onespec.structured.backend import GrammarBackend
+from onespec.structured.state import GrammarState
 
 CPU_KV_BUDGET_BYTES = 4 << 30
 
@@ -385,7 +387,8 @@ class Engine:
             self.check_structured_outputs()
         req = Request(rid, ids, sp, cache_salt=cache_salt)
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
-            req.grammar = self.grammars.matcher(sp.structured_outputs, compiled_grammar)
+            req.features.grammar = GrammarState(
+                self.grammars.matcher(sp.structured_outputs, compiled_grammar))
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -495,7 +498,7 @@ class Engine:
         automaton's drafts) until it ends."""
         sched = self.scheduler
         reqs = current.batch.generation
-        if isinstance(self.host_drafter, NGramDrafter) or any(r.sa_match for r in reqs):
+        if isinstance(self.host_drafter, NGramDrafter) or any(map(automaton_matched, reqs)):
             return None
         if sched.waiting or len(sched.running) != len(reqs) or \
                 any(r.status != RequestStatus.RUNNING for r in reqs):
@@ -513,7 +516,7 @@ class Engine:
         # drafts each request had for this step's K (fewer when K grew: the rest is padding)
         real = [min(batch.k, len(r.draft_tokens)) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
-        spans = [r.sa_draft_span if d else (0, 0) for r, d in zip(batch.generation, real)]
+        spans = [host_span(r) if d else (0, 0) for r, d in zip(batch.generation, real)]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)

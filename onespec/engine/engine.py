@@ -76,7 +76,7 @@ class Engine:
     def _build(self, config: EngineConfig, speculative_config):
         parts = RankParts.build(config, speculative_config, self.parallel, self.features)
         self.device, self.dtype, self.tree = parts.device, parts.dtype, parts.tree
-        self.kernel_settings, self.shape = parts.kernel_settings, parts.shape
+        self.kernel_settings, self.ops, self.shape = parts.kernel_settings, parts.ops, parts.shape
         self.model, self.drafter = parts.model, parts.drafter
         self.max_model_len, self.max_draft_len = parts.max_model_len, parts.max_draft_len
         worker, drafter, k = parts.worker, parts.drafter, parts.max_draft_len

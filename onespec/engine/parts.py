@@ -51,6 +51,7 @@ class RankParts:
     tree: TreeShape | None
     shape: ChainShape | TreeShape
     kernel_settings: KernelSettings
+    ops: object                 # the backend every layer computes with (layers/ops.py)
     model: torch.nn.Module
     drafter: Eagle3Drafter | MTPDrafter | None
     max_model_len: int
@@ -99,7 +100,7 @@ class RankParts:
         generator = torch.Generator(b.device).manual_seed(config.seed)
         worker = SpecWorker(model, drafter, make_acceptor(sc), generator, b.backend, b.tree)
         return cls(config, parallel, b.device, b.dtype, b.tree, shape, b.kernel_settings,
-                   model, drafter, max_model_len, k, max_positions, num_blocks, worker)
+                   b.ops, model, drafter, max_model_len, k, max_positions, num_blocks, worker)
 
 
 class _Builder:

@@ -279,12 +279,12 @@ def test_thinking_phase_walk():
     phase = ThinkingPhase(BEGIN, END, 0.4)
     req = Request("r", [1, 2], GREEDY)
     phase.walk(req, [1, BEGIN, 3])
-    assert req.thinking_delta == 0.4
+    assert req.features.thinking.delta == 0.4
     phase.walk(req, [END, 4, BEGIN, END])            # the last one wins
-    assert req.thinking_delta == 0.0
+    assert req.features.thinking.delta == 0.0
     phase.walk(req, [BEGIN])
     phase.walk(req, [1, 2], restart=True)            # recomputed from the start
-    assert req.thinking_delta == 0.0
+    assert req.features.thinking.delta == 0.0
 
 
 # ---- benchmark shape ----------------------------------------------------------------------

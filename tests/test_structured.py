@@ -334,11 +334,12 @@ def test_verify_rows_reuse_the_draft_loops_masks(spec, monkeypatch):
     a free request; a changed draft or a request that emitted other tokens fills afresh."""
     from onespec.engine.request import Request
     from onespec.engine.scheduler import ScheduledBatch
+    from onespec.structured.state import GrammarState
     from onespec.structured.step import StepGrammar
     backend, k = spec.engine.grammars, 3
     so = CASES[0][2]
     reqs = [Request("c", [1, 2], constrained(so)), Request("f", [1, 2], SamplingParams())]
-    reqs[0].grammar = backend.matcher(so)
+    reqs[0].features.grammar = GrammarState(backend.matcher(so))
     batch = ScheduledBatch([], reqs, k)
     # a step that verifies nothing the grammar allows past row 0, then drafts under masks
     step = StepGrammar(backend, batch, [[0] * k, [0] * k], [0, 1], "cpu", host_only=True)
@@ -353,20 +354,20 @@ def test_verify_rows_reuse_the_draft_loops_masks(spec, monkeypatch):
     step.rollback()
     for req, token in zip(reqs, (first, 5)):           # what postprocess does
         req.output_token_ids.append(token)
-        if req.grammar is not None:
-            assert req.grammar.accept_token(token)
+        if req.features.grammar is not None:
+            assert req.features.grammar.accept(token, 0) is None
     fills = []
     monkeypatch.setattr(backend, "fill", lambda m, b, indices: (
         fills.append(len(indices)), type(backend).fill(backend, m, b, indices))[1])
 
     def verify_masks(reuse: bool, verified=drafts) -> tuple[torch.Tensor, int]:
-        kept = reqs[0].draft_masks
+        kept = reqs[0].features.grammar.draft_masks
         if not reuse:
-            reqs[0].draft_masks = None
+            reqs[0].features.grammar.draft_masks = None
         fills.clear()
         g = StepGrammar(backend, batch, verified, [0, 1], "cpu", host_only=True)
         g.rollback()
-        reqs[0].draft_masks = kept
+        reqs[0].features.grammar.draft_masks = kept
         return g.verify.host, g.reused
 
     fresh, none = verify_masks(False)

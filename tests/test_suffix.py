@@ -126,9 +126,10 @@ def run_checking_drafts(llm, check) -> list[list[int]]:
     while eng.has_unfinished():
         for req in eng.step():
             if not req.is_finished:
-                assert req.draft_index.tokens == req.token_ids     # preemption included
+                assert req.features.host_drafts.index.tokens == req.token_ids     # preemption included
                 check(req)
     assert_pool_full(llm)
+    assert all(r.features.host_drafts is None for r in reqs)     # released when finished
     return [r.output_token_ids for r in reqs]
 
 
@@ -142,7 +143,7 @@ def test_sa_enhancer_greedy_lossless(pair, engine_kw):
 
     def check(req):
         want = sa_reference_drafts(req.token_ids, k, min_match)
-        assert req.sa_draft_span == (0, len(want))
+        assert req.features.host_drafts.span == (0, len(want))
         assert req.draft_tokens[:len(want)] == want and len(req.draft_tokens) == k
 
     assert run_checking_drafts(llm, check) == plain

@@ -48,7 +48,7 @@ def arch_pair(request, tmp_path_factory):
     hf = make_hf_model(path, request.param, **ARCHS[request.param])
     with LLM(str(path), tensor_parallel_size=2, **TIGHT) as llm:
         yield str(path), hf, llm
-    assert all(not p.is_alive() for p in llm.engine.workers.procs or [])
+    assert all(not p.is_alive() for p in llm.engine.ranks.procs or [])
 
 
 def test_greedy_equals_transformers_and_one_rank(arch_pair):
@@ -139,12 +139,12 @@ def _assert_fails_fast(llm, match: str):
     with pytest.raises(WorkerFailure, match=match):
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
-    assert all(not p.is_alive() for p in llm.engine.workers.procs)
+    assert all(not p.is_alive() for p in llm.engine.ranks.procs)
 
 
 def test_worker_killed_during_generation_is_an_error_not_a_hang(small_model):
     llm = LLM(small_model, tensor_parallel_size=2, dtype="float32", device="cpu")
-    proc = llm.engine.workers.procs[0]
+    proc = llm.engine.ranks.procs[0]
     threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()
     _assert_fails_fast(llm, r"rank 1 \(pid \d+\) died")
 
@@ -152,7 +152,7 @@ def test_worker_killed_during_generation_is_an_error_not_a_hang(small_model):
 def test_worker_that_raises_is_an_error(small_model):
     """Rank 1 fails on the inputs it is sent (an unreadable message)."""
     llm = LLM(small_model, tensor_parallel_size=2, dtype="float32", device="cpu")
-    llm.engine.workers.conns[0].send_bytes(b"not a pickle")
+    llm.engine.ranks.conns[0].send_bytes(b"not a pickle")
     _assert_fails_fast(llm, "rank 1 raised")
 
 

@@ -32,7 +32,7 @@ def target_pair(request, tmp_path_factory):
     hf = make(path, **overrides)
     with LLM(str(path), tensor_parallel_size=2, **TIGHT) as llm:
         yield str(path), hf, llm
-    assert all(not p.is_alive() for p in llm.engine.workers.procs)
+    assert all(not p.is_alive() for p in llm.engine.ranks.procs)
 
 
 def test_greedy_equals_transformers_and_one_rank(target_pair):

@@ -91,7 +91,7 @@ def test_dead_worker_fails_requests_and_health(tmp_path):
     with LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
         with TestClient(create_app(llm, "m")) as c:
             assert c.post("/v1/completions", json=body).status_code == 200
-            proc = llm.engine.workers.procs[0]
+            proc = llm.engine.ranks.procs[0]
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(10)
             r = c.post("/v1/completions", json=body)

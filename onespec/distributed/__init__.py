@@ -1,8 +1,9 @@
 """Tensor parallelism over torch.distributed (docs/ARCHITECTURE.md, "Tensor parallelism").
 
 group.py: one rank's process group and its collectives; layers.py: Megatron-style sharded
-layers and the checkpoint slicing that fills them; workers.py: the driver's worker
-processes (start, per-step inputs, liveness, shutdown) and their follow loop.
+layers and the checkpoint slicing that fills them; ranks.py: rank 0's RankGroup of the
+other ranks' processes (start, liveness, shutdown), its Rank0Driver and their follow loop;
+broadcast.py: a step's inputs from rank 0 to the others (tensors by broadcast).
 """
 from onespec.distributed.group import TensorParallel, WorkerFailure
 

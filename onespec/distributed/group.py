@@ -63,6 +63,13 @@ class TensorParallel:
         self.group.allgather([parts], [t]).wait()
         return torch.stack(parts)
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's t into every rank's t (same shape and dtype, contiguous), in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+        return t
+
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' values (e.g. KV blocks each GPU has room for)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -6,44 +6,30 @@ import itertools
 import logging
 import time
 
-import torch
-
 from onespec.combinations import (GRAMMAR, check_combinations, engine_features, graphs_allowed,
                                   spec_features)
-from onespec.config import (AUTO_DRAFT_LEN, Eagle3Config, EngineConfig, MTPConfig, NGramConfig,
-                            SpeculativeConfig, as_speculative_config)
-from onespec.distributed import TensorParallel, WorkerFailure
-from onespec.distributed.layers import tensor_parallel_ops
-from onespec.distributed.workers import DriverWorker, start_workers
+from onespec.config import AUTO_DRAFT_LEN, EngineConfig, SpeculativeConfig, as_speculative_config
+from onespec.distributed import WorkerFailure
+from onespec.distributed.ranks import Rank0Driver, start_ranks
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.engine.kv_cache import (BlockPool, allocate_kv_cache, kv_bytes_per_block,
-                                     return_freed_host_memory)
+from onespec.engine.kv_cache import BlockPool, return_freed_host_memory
 from onespec.engine.model_runner import ModelRunner
+from onespec.engine.parts import RankParts
 from onespec.engine.prefix_cache import PrefixCache
 from onespec.engine.request import Request, RequestStatus
 from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
-from onespec.kernels.settings import KernelSettings
-from onespec.layers.ops import make_ops
-from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
-                                    default_capture_layers)
-from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.loader import read_config
-from onespec.models.mtp import load_mtp_head
-from onespec.engine.memory import available_bytes, require_bytes
-from onespec.models.registry import (load_target, load_tokenizer, resolve_device, resolve_dtype,
-                                     target_class)
+from onespec.models.registry import load_tokenizer, target_class
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
-from onespec.speculative.eagle3 import Eagle3Drafter
-from onespec.speculative.host_drafts import NGramDrafter, make_host_drafter, record_sa_outcome
-from onespec.speculative.mtp import MTPDrafter
-from onespec.speculative.shape import ChainShape, TreeShape
+from onespec.speculative.host_drafts import (NGramDrafter, automaton_matched, host_span,
+                                             make_host_drafter, record_sa_outcome)
 from onespec.speculative.thinking import ThinkingPhase
-from onespec.speculative.acceptors import ForcedAcceptor, make_acceptor
-from onespec.speculative.worker import SpecWorker
+from onespec.speculative.acceptors import ForcedAcceptor
 from onespec.structured.backend import GrammarBackend
+from onespec.structured.state import GrammarState
 
 logger = logging.getLogger("onespec.engine")
 # what close() drops: the cache tensors of attention layers, and the engine's parts that
@@ -70,21 +56,12 @@ def _check_draft_len(k: int, max_draft_len: int):
                          f"{max_draft_len}], got {k!r}")
 
 
-def _tree_shape(sc) -> TreeShape | None:
-    """The dynamic tree an EAGLE-3 config asks for, or None (chains)."""
-    if not isinstance(sc, Eagle3Config) or not sc.use_dynamic_tree:
-        return None
-    return TreeShape(sc.max_draft_len, sc.dynamic_tree_max_topK, sc.max_total_draft_tokens)
-
-
 class Engine:
     def __init__(self, config: EngineConfig,
-                 speculative_config: SpeculativeConfig | dict | None = None,
-                 parallel: TensorParallel | None = None):
-        """speculative_config: a typed config or vLLM's dictionary form. parallel: this
-        rank's group when the engine is a tensor-parallel worker (rank > 0); with
-        tensor_parallel_size > 1 and none given, this engine is the driver (rank 0) and
-        starts the other ranks (distributed/workers.py)."""
+                 speculative_config: SpeculativeConfig | dict | None = None):
+        """speculative_config: a typed config or vLLM's dictionary form. With
+        tensor_parallel_size > 1 this engine is rank 0: it starts the other ranks
+        (distributed/ranks.py), which build only the RankParts they run, and drives them."""
         speculative_config = as_speculative_config(speculative_config)
         self.config, self.spec_config = config, speculative_config
         # the features in play, their pairs checked once (combinations.py) before any rank
@@ -93,81 +70,41 @@ class Engine:
             if config.attention_backend == "triton" else None     # (its tree masks)
         self.features = spec_features(speculative_config) | engine_features(config, target_cls)
         check_combinations(self.features)
-        self.workers = start_workers(config, speculative_config) if parallel is None else None
-        self.parallel = self.workers.group if self.workers else parallel
+        self.ranks = start_ranks(config, speculative_config, self.features)
+        self.parallel = self.ranks.group if self.ranks else None
         try:
             self._build(config, speculative_config)
         except BaseException as e:
-            failure = self.workers.startup_failed(e) if self.workers else None
+            failure = self.ranks.startup_failed(e) if self.ranks else None
             self.close()
             if failure is not None:
                 raise failure from e
             raise
 
     def _build(self, config: EngineConfig, speculative_config):
-        self.device = self.parallel.device if self.parallel else resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        dummy = config.load_format == "dummy"
-        self.tree = _tree_shape(speculative_config)
-        backend = self._attention_backend()
-        # the kernels' settings, fixed here for the engine's life: the backend every layer
-        # is built with
-        self.kernel_settings = KernelSettings(triton=backend == "triton",
-                                              pdl=config.programmatic_launch)
-        self.ops = make_ops(self.kernel_settings)
-        if self.parallel is not None:
-            self.ops = tensor_parallel_ops(self.ops)
-        self.model = load_target(config.model, self.device, self.dtype, dummy, self.ops,
-                                 self.parallel)
-        self.tokenizer = load_tokenizer(config.model)
+        parts = RankParts.build(config, speculative_config, self.parallel, self.features)
+        self.device, self.dtype, self.tree = parts.device, parts.dtype, parts.tree
+        self.kernel_settings, self.ops, self.shape = parts.kernel_settings, parts.ops, parts.shape
+        self.model, self.drafter = parts.model, parts.drafter
+        self.max_model_len, self.max_draft_len = parts.max_model_len, parts.max_draft_len
+        worker, drafter, k = parts.worker, parts.drafter, parts.max_draft_len
+        self.acceptor = worker.acceptor         # the acceptance rule, for the engine's life
         mcfg = self.model.config
         self.features |= engine_features(config, sliding_window=mcfg.sliding_window)
-        check_combinations(self.features)
-        if (config.max_model_len or 0) > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mcfg.max_position_embeddings}")
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        self.tokenizer = load_tokenizer(config.model)
         # a model drafter runs in the step; host drafts (the suffix-automaton enhancer, the
         # n-gram drafter) are set in _finish_step
-        drafter = self._load_drafter(speculative_config) \
-            if speculative_config and not isinstance(speculative_config, NGramConfig) else None
-        self.drafter = drafter
         self.host_drafter = make_host_drafter(speculative_config)
-        self.max_draft_len = speculative_config.max_draft_len if speculative_config else 0
-        k = self.max_draft_len
-        self.shape = self.tree or ChainShape(drafter is not None)
-        rows = self.shape.verify_rows(k)
-        if config.max_num_tokens < rows:
-            raise ValueError(f"max_num_tokens must be >= the rows of one verify = {rows} "
-                             f"(max_draft_len + 1, or max_total_draft_tokens + 1 for a tree), "
-                             f"got {config.max_num_tokens}")
-        if self.tree is not None:
-            self._check_tree(drafter)
-        max_positions = self.max_model_len + 2 * k + 2
-        self.model.setup_rotary(max_positions, self.device)
-        target_layers = [layer.self_attn for layer in self.model.model.layers]
-        draft_layers = drafter.attention_layers if drafter else []
-        if drafter:
-            drafter.head.setup_rotary(max_positions, self.device)
-        num_blocks = self._num_kv_blocks(target_layers + draft_layers, k)
-        # one block past the pool is scratch space for the padding rows of CUDA graphs;
-        # the target's layers apart from the drafter's (tree steps move the target's
-        # entries of every layer at once: their own tensor)
-        for layers in (target_layers, draft_layers):
-            allocate_kv_cache(layers, num_blocks + 1, config.block_size, self.device)
+        num_blocks, max_positions = parts.num_kv_blocks, parts.max_positions
         self.pool = BlockPool(num_blocks, config.block_size,
                               self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids,
                                    self.shape)
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         sc = speculative_config
         relaxed = sc is not None and sc.use_relaxed_acceptance_for_thinking
         self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,
                                       sc.relaxed_delta) if relaxed else None
-        self.acceptor = make_acceptor(sc)       # the acceptance rule, for the engine's life
-        worker = SpecWorker(self.model, drafter, self.acceptor, self.generator, backend,
-                            self.tree)
         graphs = None
         if config.cuda_graphs and self.kernel_settings.triton and graphs_allowed(self.features):
             graphs = CudaGraphRunner(worker, config.block_size,
@@ -175,7 +112,7 @@ class Engine:
                                      config.max_batch_size, self.device, mcfg.sliding_window)
         # structured outputs: xgrammar is imported when the first constrained request comes
         self.grammars = GrammarBackend(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
-        self.runner = ModelRunner(DriverWorker(worker, self.workers) if self.workers else worker,
+        self.runner = ModelRunner(Rank0Driver(worker, self.ranks) if self.ranks else worker,
                                   config.block_size, self.device, mcfg.vocab_size,
                                   mcfg.sliding_window, graphs, self.grammars,
                                   mcfg.eos_token_ids)
@@ -191,16 +128,16 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._inflight: PendingStep | None = None    # launched, results not read (overlap)
         self.policy = None           # DraftLenPolicy with draft_len_schedule="auto" (calibrate)
-        if self.workers:
-            self.workers.wait_ready()
+        if self.ranks:
+            self.ranks.wait_ready()
 
     def close(self):
-        """Stops the tensor-parallel workers and releases every tensor the engine holds
-        (the KV pool, CUDA graphs, the target's and drafter's weights), so that their
+        """Stops the other tensor-parallel ranks and releases every tensor the engine
+        holds (the KV pool, CUDA graphs, the target's and drafter's weights), so that their
         memory comes back now rather than at the next garbage collection; idempotent.
         The engine runs no step after it (stats() still answers)."""
-        if self.workers is not None:
-            self.workers.shutdown()
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.shutdown()
         self._inflight = None
         self._release_kv_cache()
         for name in RELEASED_ENGINE_PARTS:
@@ -288,30 +225,6 @@ class Engine:
                                    batch_size)
 
     # ---- set-up ------------------------------------------------------------------------
-    def _load_drafter(self, sc: Eagle3Config | MTPConfig) -> Eagle3Drafter | MTPDrafter:
-        if isinstance(sc, MTPConfig):
-            head = load_mtp_head(self.config.model, self.model, sc.num_mtp_layers, self.device,
-                                 self.dtype, dummy=self.config.load_format == "dummy",
-                                 parallel=self.parallel)
-            return MTPDrafter(head, self.model, vanilla=sc.use_mtp_vanilla)
-        head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
-        num_layers = self.model.config.num_hidden_layers
-        if sc.layers_to_capture is not None:
-            capture = sc.layers_to_capture
-        elif head_cfg.aux_layer_ids:
-            capture = capture_from_aux_ids(head_cfg.aux_layer_ids)
-        else:
-            capture = default_capture_layers(num_layers)
-        bad = [i for i in capture if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
-                             "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
-        draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
-        head = load_eagle3_head(sc.draft_model, self.model.config, len(capture), self.device,
-                                draft_dtype, dummy=self.config.load_format == "dummy",
-                                ops=self.ops)
-        return Eagle3Drafter(head.eval(), self.model, tuple(capture))
-
     def _prefix_cache(self, drafter, sc) -> PrefixCache | None:
         """A drafter with KV layers makes a block's KV depend on the token after it (its
         lookahead); forced acceptance emits tokens other than those whose KV it computed,
@@ -322,53 +235,6 @@ class Engine:
         forced = sc is not None and (sc.force_acceptance_length is not None
                                      or sc.force_acceptance_rates is not None)
         return PrefixCache(self.config.block_size, lookahead, prompt_only=forced)
-
-    def _num_kv_blocks(self, attn_layers, k: int) -> int:
-        cfg = self.config
-        per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
-        blocks_per_seq = -(-(self.max_model_len + self.shape.gen_slots(k)) // cfg.block_size)
-        if cfg.num_kv_blocks is not None:
-            num = cfg.num_kv_blocks
-        else:      # what the batch can use, capped by a fraction of free memory (a CPU
-            #        pool takes pages only as blocks are written: zeros_on_write)
-            budget = int(available_bytes(self.device) * cfg.kv_cache_memory_fraction)
-            num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
-            if self.parallel:       # every rank holds the same blocks
-                num = self.parallel.min_int(num)
-        if cfg.num_kv_blocks is not None:
-            require_bytes(num * per_block, self.device, f"num_kv_blocks={num} (KV cache)")
-        if num < blocks_per_seq:
-            raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
-                             f"{self.max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
-                             f"blocks of {cfg.block_size}; raise num_kv_blocks or lower "
-                             "max_model_len")
-        return num
-
-    @property
-    def _several_ranks(self) -> bool:
-        return self.parallel is not None and self.parallel.world_size > 1
-
-    def _attention_backend(self) -> str:
-        backend = self.config.attention_backend
-        target_cls = target_class(read_config(self.config.model))
-        portable_only = not target_cls.supports_triton
-        if self.tree is not None and backend == "auto" and \
-                not getattr(target_cls, "triton_tree_masks", False):
-            return "torch"                       # (MLA's kernel has no tree masks)
-        if backend == "auto":       # (several ranks: the portable path unless asked)
-            backend = "triton" if self.device.type == "cuda" and not portable_only \
-                and not self._several_ranks else "torch"
-        if backend == "triton" and self.device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device")
-        if backend == "triton" and portable_only:
-            raise ValueError(f"attention_backend='triton' is not available for "
-                             f"{target_cls.__name__}; use 'torch'")
-        return backend
-
-    def _check_tree(self, drafter):
-        if self.tree.top_k > drafter.draft_vocab_size:
-            raise ValueError(f"dynamic_tree_max_topK must be <= the head's draft vocabulary "
-                             f"({drafter.draft_vocab_size}), got {self.tree.top_k}")
 
     # ---- requests ----------------------------------------------------------------------
     def _check_open(self):
@@ -426,7 +292,8 @@ class Engine:
         req = Request(rid, ids, sp, cache_salt=cache_salt)
         req.times.arrival_time = time.monotonic()
         if sp.structured_outputs is not None:      # compiled once per spec (cached)
-            req.grammar = self.grammars.matcher(sp.structured_outputs, compiled_grammar)
+            req.features.grammar = GrammarState(
+                self.grammars.matcher(sp.structured_outputs, compiled_grammar))
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -546,7 +413,7 @@ class Engine:
         automaton's drafts) until it ends."""
         sched = self.scheduler
         reqs = current.batch.generation
-        if isinstance(self.host_drafter, NGramDrafter) or any(r.sa_match for r in reqs):
+        if isinstance(self.host_drafter, NGramDrafter) or any(map(automaton_matched, reqs)):
             return None
         if sched.waiting or len(sched.running) != len(reqs) or \
                 any(r.status != RequestStatus.RUNNING for r in reqs):
@@ -564,7 +431,7 @@ class Engine:
         # drafts each request had for this step's K (fewer when K grew: the rest is padding)
         real = [min(batch.k, len(r.draft_tokens)) for r in batch.generation]
         num_outputs = [len(r.output_token_ids) for r in batch.requests]
-        spans = [r.sa_draft_span if d else (0, 0) for r, d in zip(batch.generation, real)]
+        spans = [host_span(r) if d else (0, 0) for r, d in zip(batch.generation, real)]
         advanced = self.scheduler.postprocess(batch, out)
         if self.thinking is not None:
             self._walk_thinking(batch, num_outputs)

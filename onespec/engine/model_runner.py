@@ -11,7 +11,9 @@ from onespec.layers.processors import RowHistory, build_row_processors
 from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
+from onespec.speculative.host_drafts import host_span
 from onespec.speculative.shape import ChainShape
+from onespec.speculative.thinking import relaxed_delta
 from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import StepGrammar
@@ -137,7 +139,7 @@ class ModelRunner:
             if tree:
                 parents[i] = tree[row * kd:(row + 1) * kd]
             if res.draft_probs is not None:
-                batch.requests[i].draft_probs = res.draft_probs[row]
+                batch.requests[i].features.draft_probs = res.draft_probs[row]
         return StepOutput(
             context_tokens=ctx,
             accepted=[acc[i * (k + 1):(i + 1) * (k + 1)] for i in range(bg)],
@@ -250,8 +252,7 @@ class ModelRunner:
             max_kv_draft=max_kv + (tree.num_draft_slots if tree else k),
             block_size=self.block_size,
             relaxed_delta=None if not self.worker.acceptor.uses_thinking_phase else torch.tensor(
-                [r.thinking_delta if r.sampling_params.temperature == 0.0 else 0.0
-                 for r in batch.generation], dtype=torch.float32, device=dev),
+                [relaxed_delta(r) for r in batch.generation], dtype=torch.float32, device=dev),
             grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)
             if StepGrammar.needed(batch) else None,
             tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary))
@@ -287,15 +288,18 @@ class ModelRunner:
         return SamplingTensors.build(params, positions, self.device)
 
     def _draft_probs(self, reqs: list[Request], draft_rows, k: int):
-        """q of each verified draft; drafts without one (padding) get a one-hot q."""
+        """[Bg, K, V] q of each verified draft; drafts without one (padding) and those a
+        host index proposed (deterministic, host_drafts.py) get a one-hot q."""
         if not self.worker.use_rejection_sampling or not reqs or k == 0:
             return None
         out = torch.zeros(len(reqs), k, self.vocab_size, device=self.device)
         for i, (req, drafts) in enumerate(zip(reqs, draft_rows)):
-            have = 0 if req.draft_probs is None else min(k, req.draft_probs.shape[0],
-                                                         len(req.draft_tokens))
-            if have:
-                out[i, :have] = req.draft_probs[:have]
-            for j in range(have, k):
-                out[i, j, drafts[j]] = 1.0
+            q = req.features.draft_probs
+            have = 0 if q is None else min(k, q.shape[0], len(req.draft_tokens))
+            host = range(*host_span(req))
+            for j in range(k):
+                if j < have and j not in host:
+                    out[i, j] = q[j]
+                else:
+                    out[i, j, drafts[j]] = 1.0
         return out

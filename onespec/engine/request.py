@@ -1,4 +1,6 @@
-"""One request: its tokens, KV bookkeeping, draft tokens and statistics.
+"""One request: its tokens, KV bookkeeping, draft tokens and statistics; what a feature
+(grammar, host drafts, thinking phase, rejection sampling) keeps per request sits in its
+FeatureState, one writer each.
 
 Invariant between steps: `num_computed` tokens have target KV in the cache. In the context
 phase (`in_context`) chunks of token_ids[num_computed:] are fed until all are computed and
@@ -9,11 +11,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from onespec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from onespec.speculative.host_drafts import HostDraftState
+    from onespec.speculative.thinking import ThinkingState
+    from onespec.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +58,21 @@ class RequestTimes:
 
 
 @dataclass
+class FeatureState:
+    """A request's state for the features that need some, each written only by the module
+    named beside it (None: the feature is off, or has not run for this request yet). The
+    scheduler never reads these; it drops them all when the request finishes (release)."""
+    grammar: GrammarState | None = None        # structured/state.py: matcher, draft masks
+    host_drafts: HostDraftState | None = None  # speculative/host_drafts.py: token index
+    thinking: ThinkingState | None = None      # speculative/thinking.py: relaxed delta
+    # engine/model_runner.py (rejection sampling): [K, V] q of the model's draft_tokens
+    draft_probs: torch.Tensor | None = None
+
+    def release(self):
+        self.grammar = self.host_drafts = self.thinking = self.draft_probs = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -64,16 +86,10 @@ class Request:
     in_context: bool = True                    # prefill (or recompute) not finished yet
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None    # [K, V] q of the drafts (rejection sampling)
     draft_parents: list[int] = field(default_factory=list)  # tree drafts: parent row of each
-    thinking_delta: float = 0.0                # relaxed acceptance: delta of this request
-    grammar: Any = None                        # xgrammar GrammarMatcher (structured outputs)
-    draft_masks: Any = None                    # structured/step.py DraftMasks (graphed steps)
-    draft_index: Any = None                    # host-side index of its tokens (host_drafts.py)
-    sa_draft_span: tuple[int, int] = (0, 0)    # [start, end) of draft_tokens from the automaton
-    sa_match: bool = False     # the automaton matched at the last proposal (used or not)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     times: RequestTimes = field(default_factory=RequestTimes)
+    features: FeatureState = field(default_factory=FeatureState)
     # prefix caching (engine/prefix_cache.py): hashes of full blocks so far, and the cache
     # records of the blocks this request computed or found cached, in order
     block_hashes: list[bytes] = field(default_factory=list)

@@ -158,7 +158,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed = 0
         req.in_context = True
-        req.draft_tokens, req.draft_probs = [], None
+        req.draft_tokens, req.features.draft_probs = [], None
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
@@ -226,7 +226,7 @@ class Scheduler:
             if scored:
                 req.logprobs.append(logprobs[rows[i]])
             req.metrics.num_generated_tokens += 1
-            if req.grammar is not None and self._grammar_ends(req, t):
+            if req.features.grammar is not None and self._grammar_ends(req, t):
                 return i + 1
             if (not sp.ignore_eos and t in self.eos_token_ids) or t in sp.stop_token_set:
                 self._finish(req, "stop")
@@ -237,18 +237,14 @@ class Scheduler:
         return len(tokens)
 
     def _grammar_ends(self, req: Request, token: int) -> bool:
-        """Feeds an emitted token to the request's grammar matcher; True when that ended the
-        request: "stop" once the grammar has terminated, "error" if it rejects the token
-        (masking makes that impossible unless something is broken)."""
-        if not req.grammar.accept_token(token):
-            req.error = f"the grammar rejected token {token} after " \
-                        f"{len(req.output_token_ids) - 1} output tokens"
-            self._finish(req, "error")
-            return True
-        if req.grammar.is_terminated():
-            self._finish(req, "stop")
-            return True
-        return False
+        """Feeds an emitted token to the request's grammar (GrammarState.accept); True when
+        that ended the request."""
+        ended = req.features.grammar.accept(token, len(req.output_token_ids) - 1)
+        if ended is None:
+            return False
+        reason, req.error = ended
+        self._finish(req, reason)
+        return True
 
     def _finish(self, req: Request, reason: str):
         req.status = RequestStatus.FINISHED
@@ -258,7 +254,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.pool.free(req.block_table)
-        req.draft_tokens, req.draft_probs = [], None
+        req.draft_tokens = []
+        req.features.release()
 
     def abort(self, req: Request):
         if req.is_finished:

@@ -3,16 +3,19 @@ drafts"): the suffix-automaton enhancer on top of a model drafter, and the n-gra
 for targets without one.
 
 Both run in the engine after a step's results are postprocessed: each request that goes on
-keeps an index of its tokens (a SuffixAutomaton or an NGramIndex, in Request.draft_index),
-extended by the tokens it gained, and its draft_tokens for the next step are set from it.
-The device step is untouched; the next step simply verifies what the request holds.
+keeps an index of its tokens (a SuffixAutomaton or an NGramIndex, in its HostDraftState,
+Request.features.host_drafts), extended by the tokens it gained, and its draft_tokens for
+the next step are set from it. The device step is untouched; the next step simply verifies
+what the request holds.
 
 Drafts from an index are deterministic given the tokens so far (their q is one-hot), so
 every acceptance rule stays lossless: strict and exact-match compare, and rejection
 sampling accepts d with probability p(d) and otherwise samples from p without d. With
-rejection sampling, the replaced rows of Request.draft_probs become one-hot.
+rejection sampling, the runner gives the drafts in HostDraftState.span a one-hot q.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from onespec.config import NGramConfig
 from onespec.engine.request import Request
@@ -20,28 +23,40 @@ from onespec.speculative.ngram import NGramIndex
 from onespec.speculative.suffix_automaton import SuffixAutomaton
 
 
-def sync_index(req: Request, make) -> SuffixAutomaton | NGramIndex:
-    """req's index, created by make() on first use and extended by the tokens it has not
-    seen. A preempted request keeps its tokens (they are recomputed, not regenerated), so
-    its index stays valid across preemption and resumption."""
-    if req.draft_index is None:
-        req.draft_index = make()
-    index, prompt = req.draft_index, req.prompt_token_ids
+@dataclass
+class HostDraftState:
+    """One request's host-draft state, written only here. A preempted request keeps its
+    tokens (they are recomputed, not regenerated), so the index stays valid across
+    preemption and resumption; it is dropped when the request finishes."""
+    index: SuffixAutomaton | NGramIndex    # of the request's tokens so far
+    span: tuple[int, int] = (0, 0)  # [start, end) of draft_tokens the index proposed
+    matched: bool = False   # the automaton matched at the last proposal (used or not)
+
+
+def host_span(req: Request) -> tuple[int, int]:
+    """[start, end) of req's draft_tokens that came from its host index."""
+    state = req.features.host_drafts
+    return (0, 0) if state is None else state.span
+
+
+def automaton_matched(req: Request) -> bool:
+    state = req.features.host_drafts
+    return state is not None and state.matched
+
+
+def sync_index(req: Request, make) -> HostDraftState:
+    """req's host-draft state, its index created by make() on first use and extended by
+    the tokens it has not seen."""
+    if req.features.host_drafts is None:
+        req.features.host_drafts = HostDraftState(make())
+    state = req.features.host_drafts
+    index, prompt = state.index, req.prompt_token_ids
     seen = len(index)
     if seen < len(prompt):
         index.extend(prompt[seen:])
         seen = len(prompt)
     index.extend(req.output_token_ids[seen - len(prompt):])
-    return index
-
-
-def one_hot_rows(probs, tokens: list[int]):
-    """probs [K, V] (q of a request's drafts) with its first len(tokens) rows one-hot at
-    tokens."""
-    out = probs.clone()
-    out[:len(tokens)] = 0.0
-    out[list(range(len(tokens))), tokens] = 1.0
-    return out
+    return state
 
 
 class SuffixEnhancer:
@@ -56,18 +71,16 @@ class SuffixEnhancer:
     def propose(self, req: Request, in_flight: bool = False) -> None:
         """Sets req's next drafts. in_flight: req's next step was launched already (the
         overlap scheduler chained it, verifying the model's drafts on the device), so its
-        drafts stay; req.sa_match only says whether the automaton would have replaced them,
-        which stops the engine from chaining the step after."""
-        sa = sync_index(req, SuffixAutomaton)
-        req.sa_draft_span = (0, 0)
-        length, cont = sa.continuation(self.max_draft_len)
-        req.sa_match = length >= self.min_match_len and bool(cont)
-        if not req.sa_match or in_flight:
+        drafts stay; HostDraftState.matched only says whether the automaton would have
+        replaced them, which stops the engine from chaining the step after."""
+        state = sync_index(req, SuffixAutomaton)
+        state.span = (0, 0)
+        length, cont = state.index.continuation(self.max_draft_len)
+        state.matched = length >= self.min_match_len and bool(cont)
+        if not state.matched or in_flight:
             return
         req.draft_tokens = cont + req.draft_tokens[len(cont):]
-        req.sa_draft_span = (0, len(cont))
-        if req.draft_probs is not None:
-            req.draft_probs = one_hot_rows(req.draft_probs, cont)
+        state.span = (0, len(cont))
 
 
 class NGramDrafter:
@@ -79,9 +92,8 @@ class NGramDrafter:
 
     def propose(self, req: Request, in_flight: bool = False) -> None:
         assert not in_flight, "n-gram drafts are the whole draft: no step runs ahead of them"
-        index = sync_index(req, lambda: NGramIndex(self.min_n, self.max_n))
-        _, req.draft_tokens = index.propose(self.max_draft_len)
-        req.draft_probs = None
+        state = sync_index(req, lambda: NGramIndex(self.min_n, self.max_n))
+        _, req.draft_tokens = state.index.propose(self.max_draft_len)
 
 
 def make_host_drafter(spec_config) -> SuffixEnhancer | NGramDrafter | None:

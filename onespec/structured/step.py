@@ -123,13 +123,13 @@ class StepGrammar:
         num_ctx = len(batch.context)
         reqs = batch.requests
         self.slots: list[_Slot | None] = [
-            None if reqs[i].grammar is None else
-            _Slot(reqs[i].grammar, ("ctx", i) if i < num_ctx else ("gen", i - num_ctx))
+            None if (g := reqs[i].features.grammar) is None else
+            _Slot(g.matcher, ("ctx", i) if i < num_ctx else ("gen", i - num_ctx))
             for i in draft_reqs]
 
     @staticmethod
     def needed(batch: "ScheduledBatch") -> bool:
-        return any(r.grammar is not None for r in batch.requests)
+        return any(r.features.grammar is not None for r in batch.requests)
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         return allow_all(rows, self.vocab_size)
@@ -151,14 +151,16 @@ class StepGrammar:
         generation request."""
         k, num_ctx = batch.k, len(batch.context)
         bitmask = self._bitmask(num_ctx + len(batch.generation) * (k + 1))
-        rows = [i for i, c in enumerate(batch.context) if c.is_last and c.req.grammar]
+        rows = [i for i, c in enumerate(batch.context) if c.is_last and c.req.features.grammar]
         if rows:
-            self.fill([batch.context[i].req.grammar for i in rows], bitmask, indices=rows)
-        slots = [(_Slot(r.grammar, ("gen", g)), num_ctx + g * (k + 1), drafts[g])
-                 for g, r in enumerate(batch.generation) if r.grammar is not None]
+            self.fill([batch.context[i].req.features.grammar.matcher for i in rows], bitmask,
+                      indices=rows)
+        slots = [(_Slot(r.features.grammar.matcher, ("gen", g)), num_ctx + g * (k + 1), drafts[g])
+                 for g, r in enumerate(batch.generation) if r.features.grammar is not None]
         # masks of rows 0..K-1 the last draft loop filled for these very drafts and states
         reuse = {g: m.rows for g, r in enumerate(batch.generation)
-                 if self.host_only and (m := r.draft_masks) is not None
+                 if self.host_only and r.features.grammar is not None
+                 and (m := r.features.grammar.draft_masks) is not None
                  and m.matches(r, drafts[g], k)}
         # per generation request: how many of its leading drafts the grammar allows
         self.valid_drafts = [k] * len(batch.generation)
@@ -229,11 +231,12 @@ class StepGrammar:
         with the same states. drafts [Bg][K]: the drafts picked; num_outputs: each
         request's emitted-token count once this step's tokens are appended."""
         for g, req in enumerate(reqs):
-            if req.grammar is None:
+            state = req.features.grammar
+            if state is None:
                 continue
             rows = [m.host[g].clone() if m is not None and g in m.rows else None
                     for m in masks]
-            req.draft_masks = DraftMasks(num_outputs[g], list(drafts[g]), rows)
+            state.draft_masks = DraftMasks(num_outputs[g], list(drafts[g]), rows)
 
     def rollback(self):
         """Every matcher back to the request's emitted tokens (before this step's)."""

@@ -1,17 +1,19 @@
-"""The driver's side of tensor parallelism: ranks 1..N-1 as processes it starts and stops.
+"""Rank 0's side of tensor parallelism: ranks 1..N-1 as processes it starts and stops.
 
-The driver (the caller's process) is rank 0: it schedules, and before each step it sends
-that step's StepInputs to every other rank over a pipe; then every rank runs the same
+Rank 0 (the caller's process) runs the engine: it schedules, and before each step it sends
+every other rank that step's StepInputs: a small header of host values over the rank's
+pipe, the tensors by broadcast (broadcast.py). Then every rank runs the same
 SpecWorker.step on its shards, the collectives inside keeping them in lockstep, and only
-rank 0's results are read. A rank that dies or raises becomes a WorkerFailure in the
-caller: its pipe and its process are watched every step, and the collectives of a step
-whose peer died fail as soon as the connection closes (or after COLLECTIVE_TIMEOUT_S if a
-rank hangs). Workers ignore Ctrl-C (the driver stops them) and exit when the driver's end
-of their pipe closes, so none outlives it.
+rank 0's results are read. The other ranks build only what they run (engine/parts.py:
+their shards, KV cache tensors and SpecWorker), no scheduler or tokenizer. A rank that
+dies or raises becomes a WorkerFailure in the caller: its pipe and its process are
+watched every step, and the collectives of a step whose peer died fail as soon as the
+connection closes (or after COLLECTIVE_TIMEOUT_S if a rank hangs). The ranks ignore
+Ctrl-C (rank 0 stops them) and exit when rank 0's end of their pipe closes, so none
+outlives it.
 """
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
 import pickle
@@ -22,6 +24,7 @@ import weakref
 
 import torch
 
+from onespec.distributed import broadcast
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 from onespec.distributed.layers import check_tensor_parallel
 from onespec.models.loader import read_config
@@ -31,41 +34,18 @@ STARTUP_TIMEOUT_S = 600      # loading a large checkpoint shard
 STOP_TIMEOUT_S = 5
 
 
-class _Pickler(pickle.Pickler):
-    """Device tensors travel as CPU tensors (each rank moves them to its own device)."""
-
-    def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return ("tensor", obj.cpu())
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, device: torch.device):
-        super().__init__(io.BytesIO(data))
-        self.device = device
-
-    def persistent_load(self, pid):
-        return pid[1].to(self.device)
-
-
 def dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
-def loads(data: bytes, device: torch.device):
-    return _Unpickler(data, device).load()
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def start_workers(config, speculative_config) -> "Workers | None":
+def start_ranks(config, speculative_config, features: frozenset) -> "RankGroup | None":
     """The other ranks of a tensor-parallel engine (None for one rank), after checking
-    that the checkpoint and devices allow the split."""
+    that the checkpoint and devices allow the split. features: the configuration's
+    (combinations.py), which each rank checks again once its target is loaded."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
@@ -78,13 +58,13 @@ def start_workers(config, speculative_config) -> "Workers | None":
         if torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
                              f"{torch.cuda.device_count()} visible")
-    return Workers(config, speculative_config, device)
+    return RankGroup(config, speculative_config, features, device)
 
 
-class Workers:
+class RankGroup:
     """Ranks 1..N-1 of one engine, started in __init__ (spawned; they load their shards)."""
 
-    def __init__(self, config, speculative_config, device: torch.device):
+    def __init__(self, config, speculative_config, features: frozenset, device: torch.device):
         size = config.tensor_parallel_size
         self.store = store = rendezvous_store(size)   # kept: NCCL meets through it lazily
         ctx = mp.get_context("spawn")
@@ -92,8 +72,9 @@ class Workers:
         self.failure: str | None = None
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"onespec-tp-rank{rank}", daemon=True,
-                               args=(rank, size, store.port, config, speculative_config, child))
+            proc = ctx.Process(target=rank_main, name=f"onespec-tp-rank{rank}", daemon=True,
+                               args=(rank, size, store.port, config, speculative_config,
+                                     features, child))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -106,7 +87,7 @@ class Workers:
             raise
 
     def wait_ready(self):
-        """Returns once every rank has built its engine; a WorkerFailure if one failed."""
+        """Returns once every rank has built its parts; a WorkerFailure if one failed."""
         for rank, conn in enumerate(self.conns, 1):
             if not conn.poll(STARTUP_TIMEOUT_S):
                 self._fail(f"rank {rank} did not start within {STARTUP_TIMEOUT_S} s")
@@ -114,10 +95,11 @@ class Workers:
             if report:
                 self._fail(report)
 
-    def send_step(self, inputs):
-        """Sends one step's inputs to every other rank (after checking they are alive)."""
+    def send_header(self, header: broadcast.Header):
+        """Sends one step's header to every other rank (after checking they are alive);
+        its tensors follow by broadcast (broadcast.send)."""
         self.check()
-        data = dumps(("step", inputs))
+        data = dumps(("step", header))
         for rank, conn in enumerate(self.conns, 1):
             try:
                 conn.send_bytes(data)
@@ -204,40 +186,43 @@ def _stop(procs, conns):
         conn.close()
 
 
-class DriverWorker:
-    """Rank 0's SpecWorker: each step's inputs go to the other ranks first; a step that
-    raises is a WorkerFailure (the ranks' collectives are out of step after it)."""
+class Rank0Driver:
+    """Rank 0's SpecWorker, driving the others: each step's inputs go to them first; a
+    step that raises is a WorkerFailure (the ranks' collectives are out of step after it)."""
 
-    def __init__(self, worker, workers: Workers):
-        self.worker, self.workers = worker, workers
+    def __init__(self, worker, ranks: RankGroup):
+        self.worker, self.ranks = worker, ranks
 
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
     def step(self, inputs):
-        self.workers.send_step(inputs)
+        header, buffers = broadcast.pack(inputs)
+        self.ranks.send_header(header)
         try:
+            broadcast.send(self.ranks.group, buffers)
             return self.worker.step(inputs)
         except Exception as e:
-            raise self.workers.step_failed(e) from e
+            raise self.ranks.step_failed(e) from e
         except BaseException:       # Ctrl-C inside a step: the other ranks are mid-step
-            self.workers.failure = "a step was interrupted on rank 0 (ranks out of step)"
+            self.ranks.failure = "a step was interrupted on rank 0 (ranks out of step)"
             raise
 
 
-def worker_main(rank: int, size: int, port: int, config, speculative_config, conn):
-    """Rank `rank`: joins the group, builds its engine, then runs the driver's steps."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the driver stops us
-    from onespec.engine.engine import Engine      # (engine.py imports this module)
+def rank_main(rank: int, size: int, port: int, config, speculative_config, features,
+              conn):
+    """Rank `rank`: joins the group, builds its parts, then runs rank 0's steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # rank 0 stops us
+    from onespec.engine.parts import RankParts     # (it imports this package)
     try:
         device = rank_device(resolve_device(config.device), rank)
         if device.type == "cpu":            # share the cores with the other ranks
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         group = TensorParallel.join(rank, size, port, device)
-        engine = Engine(config, speculative_config, parallel=group)
+        parts = RankParts.build(config, speculative_config, group, features)
         conn.send(("ready", None))
-        _follow(engine, conn, device)
-    except BaseException:       # noqa: BLE001 - reported to the driver, then exit
+        _follow(parts.worker, group, conn)
+    except BaseException:       # noqa: BLE001 - reported to rank 0, then exit
         try:
             conn.send(("error", traceback.format_exc()))
         except OSError:
@@ -245,13 +230,12 @@ def worker_main(rank: int, size: int, port: int, config, speculative_config, con
         sys.exit(1)
 
 
-def _follow(engine, conn, device: torch.device):
-    worker = engine.runner.worker
+def _follow(worker, group: TensorParallel, conn):
     while True:
         try:
-            kind, inputs = loads(conn.recv_bytes(), device)
-        except EOFError:       # the driver is gone
+            kind, header = pickle.loads(conn.recv_bytes())
+        except EOFError:       # rank 0 is gone
             return
         if kind == "stop":
             return
-        worker.step(inputs)
+        worker.step(broadcast.receive(group, header))

@@ -1,0 +1,184 @@
+"""What every tensor-parallel rank runs, built alike on each: the target (its shard), the
+drafter, the KV cache tensors and the SpecWorker that steps them. The engine (rank 0) adds
+the host side around them (tokenizer, scheduler, block pool, runner); the other ranks
+(distributed/ranks.py) build only this.
+
+Every check here fails alike on every rank, before the one collective (the KV block count),
+so no rank waits on a peer that gave up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onespec.combinations import check_combinations, engine_features
+from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.distributed import TensorParallel
+from onespec.distributed.layers import tensor_parallel_ops
+from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.memory import available_bytes, require_bytes
+from onespec.kernels.settings import KernelSettings
+from onespec.layers.ops import make_ops
+from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
+                                   default_capture_layers)
+from onespec.models.eagle3_io import load_eagle3_head
+from onespec.models.loader import read_config
+from onespec.models.mtp import load_mtp_head
+from onespec.models.registry import load_target, resolve_device, resolve_dtype, target_class
+from onespec.speculative.acceptors import make_acceptor
+from onespec.speculative.eagle3 import Eagle3Drafter
+from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.shape import ChainShape, TreeShape
+from onespec.speculative.worker import SpecWorker
+
+def _tree_shape(sc) -> TreeShape | None:
+    """The dynamic tree an EAGLE-3 config asks for, or None (chains)."""
+    if not isinstance(sc, Eagle3Config) or not sc.use_dynamic_tree:
+        return None
+    return TreeShape(sc.max_draft_len, sc.dynamic_tree_max_topK, sc.max_total_draft_tokens)
+
+
+@dataclass
+class RankParts:
+    config: EngineConfig
+    parallel: TensorParallel | None
+    device: torch.device
+    dtype: torch.dtype
+    tree: TreeShape | None
+    shape: ChainShape | TreeShape
+    kernel_settings: KernelSettings
+    ops: object                 # the backend every layer computes with (layers/ops.py)
+    model: torch.nn.Module
+    drafter: Eagle3Drafter | MTPDrafter | None
+    max_model_len: int
+    max_draft_len: int
+    max_positions: int          # rotary tables cover positions [0, max_positions)
+    num_kv_blocks: int          # the pool's blocks (each layer holds one more: scratch)
+    worker: SpecWorker
+
+    @classmethod
+    def build(cls, config: EngineConfig, sc, parallel: TensorParallel | None,
+              features: frozenset) -> "RankParts":
+        """features: the configuration's (combinations.py), checked again once the
+        target's window is known."""
+        b = _Builder(config, sc, parallel)
+        model = b.load_target()
+        mcfg = model.config
+        check_combinations(features | engine_features(config, sliding_window=mcfg.sliding_window))
+        if (config.max_model_len or 0) > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        drafter = b.load_drafter(model) if sc and not isinstance(sc, NGramConfig) else None
+        k = sc.max_draft_len if sc else 0
+        shape = b.tree or ChainShape(drafter is not None)
+        rows = shape.verify_rows(k)
+        if config.max_num_tokens < rows:
+            raise ValueError(f"max_num_tokens must be >= the rows of one verify = {rows} "
+                             f"(max_draft_len + 1, or max_total_draft_tokens + 1 for a tree), "
+                             f"got {config.max_num_tokens}")
+        if b.tree is not None and b.tree.top_k > drafter.draft_vocab_size:
+            raise ValueError(f"dynamic_tree_max_topK must be <= the head's draft vocabulary "
+                             f"({drafter.draft_vocab_size}), got {b.tree.top_k}")
+        max_positions = max_model_len + 2 * k + 2
+        model.setup_rotary(max_positions, b.device)
+        target_layers = [layer.self_attn for layer in model.model.layers]
+        draft_layers = drafter.attention_layers if drafter else []
+        if drafter:
+            drafter.head.setup_rotary(max_positions, b.device)
+        blocks_per_seq = -(-(max_model_len + shape.gen_slots(k)) // config.block_size)
+        num_blocks = b.num_kv_blocks(target_layers + draft_layers, blocks_per_seq, max_model_len)
+        # one block past the pool is scratch space for the padding rows of CUDA graphs;
+        # the target's layers apart from the drafter's (tree steps move the target's
+        # entries of every layer at once: their own tensor)
+        for layers in (target_layers, draft_layers):
+            allocate_kv_cache(layers, num_blocks + 1, config.block_size, b.device)
+        generator = torch.Generator(b.device).manual_seed(config.seed)
+        worker = SpecWorker(model, drafter, make_acceptor(sc), generator, b.backend, b.tree)
+        return cls(config, parallel, b.device, b.dtype, b.tree, shape, b.kernel_settings,
+                   b.ops, model, drafter, max_model_len, k, max_positions, num_blocks, worker)
+
+
+class _Builder:
+    """The settings the parts are built with, and the loaders that use them."""
+
+    def __init__(self, config: EngineConfig, sc, parallel: TensorParallel | None):
+        self.config, self.sc, self.parallel = config, sc, parallel
+        self.device = parallel.device if parallel else resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tree = _tree_shape(sc)
+        self.backend = self._attention_backend()
+        # the kernels' settings, fixed for the engine's life: the backend every layer is
+        # built with
+        self.kernel_settings = KernelSettings(triton=self.backend == "triton",
+                                              pdl=config.programmatic_launch)
+        self.ops = make_ops(self.kernel_settings)
+        if parallel is not None:
+            self.ops = tensor_parallel_ops(self.ops)
+
+    def load_target(self):
+        return load_target(self.config.model, self.device, self.dtype,
+                           self.config.load_format == "dummy", self.ops, self.parallel)
+
+    def load_drafter(self, model) -> Eagle3Drafter | MTPDrafter:
+        sc, dummy = self.sc, self.config.load_format == "dummy"
+        if isinstance(sc, MTPConfig):
+            head = load_mtp_head(self.config.model, model, sc.num_mtp_layers, self.device,
+                                 self.dtype, dummy=dummy, parallel=self.parallel)
+            return MTPDrafter(head, model, vanilla=sc.use_mtp_vanilla)
+        head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
+        num_layers = model.config.num_hidden_layers
+        if sc.layers_to_capture is not None:
+            capture = sc.layers_to_capture
+        elif head_cfg.aux_layer_ids:
+            capture = capture_from_aux_ids(head_cfg.aux_layer_ids)
+        else:
+            capture = default_capture_layers(num_layers)
+        bad = [i for i in capture if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
+                             "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
+        draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
+        head = load_eagle3_head(sc.draft_model, model.config, len(capture), self.device,
+                                draft_dtype, dummy=dummy, ops=self.ops)
+        return Eagle3Drafter(head.eval(), model, tuple(capture))
+
+    def num_kv_blocks(self, attn_layers, blocks_per_seq: int, max_model_len: int) -> int:
+        """The pool's block count: num_kv_blocks, or a fraction of free memory but never
+        more than the batch can use (the smallest over the ranks: all hold the same)."""
+        cfg = self.config
+        per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num = cfg.num_kv_blocks
+            require_bytes(num * per_block, self.device, f"num_kv_blocks={num} (KV cache)")
+        else:      # what the batch can use, capped by a fraction of free memory (a CPU
+            #        pool takes pages only as blocks are written: zeros_on_write)
+            budget = int(available_bytes(self.device) * cfg.kv_cache_memory_fraction)
+            num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
+            if self.parallel:
+                num = self.parallel.min_int(num)
+        if num < blocks_per_seq:
+            raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
+                             f"{max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
+                             f"blocks of {cfg.block_size}; raise num_kv_blocks or lower "
+                             "max_model_len")
+        return num
+
+    def _attention_backend(self) -> str:
+        backend = self.config.attention_backend
+        target_cls = target_class(read_config(self.config.model))
+        portable_only = not target_cls.supports_triton
+        several_ranks = self.parallel is not None and self.parallel.world_size > 1
+        if self.tree is not None and backend == "auto" and \
+                not getattr(target_cls, "triton_tree_masks", False):
+            return "torch"                       # (MLA's kernel has no tree masks)
+        if backend == "auto":       # (several ranks: the portable path unless asked)
+            backend = "triton" if self.device.type == "cuda" and not portable_only \
+                and not several_ranks else "torch"
+        if backend == "triton" and self.device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
+        if backend == "triton" and portable_only:
+            raise ValueError(f"attention_backend='triton' is not available for "
+                             f"{target_cls.__name__}; use 'torch'")
+        return backend

@@ -10,7 +10,7 @@ import pytest
 
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.serve.protocol import CompletionRequest
-from onespec.serve.serving import generation_defaults
+from onespec.serve.admission import generation_defaults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TARGET = os.path.join(REPO, "onespec", "_demo", "target")

@@ -252,7 +252,7 @@ class _GenerationRequest(_Strict):
                         defaults: dict | None = None) -> SamplingParams:
         """Builds SamplingParams; a ValueError (which names the field) becomes a 400.
         defaults: temperature, top_p, top_k for the fields the request leaves out (the
-        model's generation config, serving.generation_defaults)."""
+        model's generation config, admission.generation_defaults)."""
         max_tokens, max_tokens_field = self.requested_max_tokens()
         kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                       ignore_eos=self.ignore_eos, structured_outputs=structured,

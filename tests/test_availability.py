@@ -264,6 +264,12 @@ def test_huge_chats_are_refused_before_templating(server):
         assert time.monotonic() - start < 5
 
     with_bystanders(server, attack)
+    # keys spelled with escapes pass the byte count, and the parsed request is counted
+    escaped = body.replace(b'"role"', b'"\\u0072ole"', 5000)[:200_000].rsplit(b"},", 1)[0]
+    escaped = (escaped + b'}],"max_tokens":4}').replace(b'"role"', b'"\\u0072ole"')
+    assert escaped.count(b'"role"') == 0
+    assert_error(server.post("/v1/chat/completions", content=escaped), 400, "messages",
+                 "at most 4096 entries")
 
 
 # ---- 5. the prefix cache as a side channel --------------------------------------------------

@@ -4,9 +4,10 @@
 process. Run as a script (`python compile_worker.py FD VOCAB_FILE`), this file is a
 compile worker for the server's GrammarCompilePool (structured/compile_pool.py): it reads
 the TokenizerInfo serialized in VOCAB_FILE, then answers compile jobs over the
-multiprocessing Connection on file descriptor FD until it reads None or is killed. A worker imports nothing from onespec, so
-it starts with xgrammar's import alone, and killing it ends a compile that ran too long
-(xgrammar cannot be interrupted inside a compile) and returns all the memory it took.
+multiprocessing Connection on file descriptor FD until it reads None or is killed. A
+worker imports nothing from onespec, so it starts with xgrammar's import alone, and
+killing it ends a compile that ran too long (xgrammar cannot be interrupted inside a
+compile) and returns all the memory it took.
 
 Messages: job (kind, text, max_bytes) -> ("ok", compiled grammar as xgrammar's JSON) or
 ("invalid", the compiler's message) or ("empty" | "too_big", why it is refused).

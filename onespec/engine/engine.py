@@ -58,10 +58,13 @@ def _check_draft_len(k: int, max_draft_len: int):
 
 class Engine:
     def __init__(self, config: EngineConfig,
-                 speculative_config: SpeculativeConfig | dict | None = None):
+                 speculative_config: SpeculativeConfig | dict | None = None,
+                 parallel=None):
         """speculative_config: a typed config or vLLM's dictionary form. With
         tensor_parallel_size > 1 this engine is rank 0: it starts the other ranks
-        (distributed/ranks.py), which build only the RankParts they run, and drives them."""
+        (distributed/ranks.py), which build only the RankParts they run, and drives them.
+        parallel: a TensorParallel group of one rank to build the sharded layers on (the
+        GPU tests run the sharded path on one GPU with it); None otherwise."""
         speculative_config = as_speculative_config(speculative_config)
         self.config, self.spec_config = config, speculative_config
         # the features in play, their pairs checked once (combinations.py) before any rank
@@ -71,7 +74,7 @@ class Engine:
         self.features = spec_features(speculative_config) | engine_features(config, target_cls)
         check_combinations(self.features)
         self.ranks = start_ranks(config, speculative_config, self.features)
-        self.parallel = self.ranks.group if self.ranks else None
+        self.parallel = self.ranks.group if self.ranks else parallel
         try:
             self._build(config, speculative_config)
         except BaseException as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_pool_full, make_hf_model
+from conftest import TEST_DEVICE, assert_pool_full, make_hf_model
 from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
 from test_spec_sampling import VOCAB, chi_square_pvalue, sample_many
 from test_spec_sampling import setup  # noqa: F401 - the module-scoped fixture
@@ -62,7 +62,7 @@ PROMPTS = [[5, 17, 42, 5, 17, 42, 5], [7, 8, 9], [100, 3, 100, 3, 12, 40]]
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("processors")
     hf = make_hf_model(path, "llama", vocab_size=128)
-    llm = LLM(str(path), dtype="float32", device="cpu", max_batch_size=4)
+    llm = LLM(str(path), dtype="float32", device=TEST_DEVICE, max_batch_size=4)
     yield hf, llm
     llm.close()
 
@@ -97,10 +97,10 @@ def test_plain_decoding_matches_transformers_processors(tiny):
 @pytest.fixture(scope="module")
 def demo():
     from onespec.demo import HEAD_DIR, TARGET_DIR
-    plain = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=4)
-    eagle = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=4,
+    plain = LLM(TARGET_DIR, dtype="float32", device=TEST_DEVICE, max_batch_size=4)
+    eagle = LLM(TARGET_DIR, dtype="float32", device=TEST_DEVICE, max_batch_size=4,
                 speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=3))
-    ngram = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=4,
+    ngram = LLM(TARGET_DIR, dtype="float32", device=TEST_DEVICE, max_batch_size=4,
                 speculative_config=NGramConfig(max_draft_len=3))
     yield plain, eagle, ngram
     for llm in (plain, eagle, ngram):
@@ -161,7 +161,7 @@ def test_rejection_sampling_keeps_the_processed_distribution(setup):  # noqa: F8
     sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True,
                         repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.3,
                         logit_bias={4: 1.5})
-    llm = LLM(target, device="cpu", dtype="float32", max_batch_size=256, seed=11,
+    llm = LLM(target, device=TEST_DEVICE, dtype="float32", max_batch_size=256, seed=11,
               speculative_config=Eagle3Config(head, max_draft_len=2,
                                               use_rejection_sampling=True))
     samples = sample_many(llm, sp, prompt)

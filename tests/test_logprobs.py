@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_pool_full, make_eagle3_head, make_hf_model
+from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
 from moe_utils import add_mtp_layers, make_deepseek_model
 from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
 
@@ -49,7 +49,7 @@ def llama(tmp_path_factory):
     hf = make_hf_model(path, "llama", vocab_size=128)
     head = str(tmp_path_factory.mktemp("lp-head"))
     make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
-    plain = LLM(str(path), dtype="float32", device="cpu").generate(PROMPTS, SP)
+    plain = LLM(str(path), dtype="float32", device=TEST_DEVICE).generate(PROMPTS, SP)
     return str(path), hf, head, plain
 
 
@@ -73,7 +73,7 @@ def assert_same_logprobs(outs, plain):
 @pytest.mark.parametrize("engine_kw", list(ENGINE_KW))
 def test_eagle3_logprobs_equal_plain(llama, engine_kw):
     path, _, head, plain = llama
-    llm = LLM(path, dtype="float32", device="cpu", **ENGINE_KW[engine_kw],
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_KW[engine_kw],
               speculative_config=Eagle3Config(head, max_draft_len=3))
     assert_same_logprobs(llm.generate(PROMPTS, SP), plain)
     assert llm.stats()["num_draft_tokens"] > 0
@@ -86,8 +86,8 @@ def test_eagle3_logprobs_equal_plain(llama, engine_kw):
 def test_mtp_logprobs_equal_plain(tmp_path_factory, engine_kw):
     path = tmp_path_factory.mktemp("lp-mtp")
     add_mtp_layers(path, make_deepseek_model(path, mtp_layers=1), 1)
-    plain = LLM(str(path), dtype="float32", device="cpu").generate(PROMPTS, SP)
-    llm = LLM(str(path), dtype="float32", device="cpu", **ENGINE_KW[engine_kw],
+    plain = LLM(str(path), dtype="float32", device=TEST_DEVICE).generate(PROMPTS, SP)
+    llm = LLM(str(path), dtype="float32", device=TEST_DEVICE, **ENGINE_KW[engine_kw],
               speculative_config=MTPConfig(num_nextn_predict_layers=1))
     assert_same_logprobs(llm.generate(PROMPTS, SP), plain)
     assert llm.stats()["num_draft_tokens"] > 0
@@ -100,8 +100,8 @@ def test_logprobs_of_accepted_drafts_on_the_demo_pair():
     from onespec.demo import HEAD_DIR, TARGET_DIR
     prompts = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n"]
     sp = SamplingParams(max_tokens=32, logprobs=5, prompt_logprobs=0)
-    plain = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2)
-    eagle = LLM(TARGET_DIR, dtype="float32", device="cpu", max_batch_size=2,
+    plain = LLM(TARGET_DIR, dtype="float32", device=TEST_DEVICE, max_batch_size=2)
+    eagle = LLM(TARGET_DIR, dtype="float32", device=TEST_DEVICE, max_batch_size=2,
                 speculative_config=Eagle3Config(HEAD_DIR, max_draft_len=4))
     try:
         assert_same_logprobs(eagle.generate(prompts, sp), plain.generate(prompts, sp))
@@ -116,7 +116,7 @@ def test_logprobs_of_accepted_drafts_on_the_demo_pair():
 
 def test_prompt_logprobs_skip_the_prefix_cache(llama):
     path, _, _, plain = llama
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=4)
     long = PROMPTS[4]
     llm.generate(long, SamplingParams(max_tokens=2))                   # cached now
     hit = llm.generate(long, SamplingParams(max_tokens=2))[0]

@@ -15,11 +15,11 @@ limit=${STEP_TIMEOUT:-600}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpu.txt" 2>&1
 git rev-parse HEAD > "$results/commit.txt" 2>/dev/null || true
 
-step() {            # step NAME OUTFILE COMMAND...: runs COMMAND, stdout to OUTFILE
-    local name=$1 out=$2
+step() {            # step NAME FILE COMMAND...: runs COMMAND, its stdout to FILE
+    local name=$1 file=$2
     shift 2
     local start=$SECONDS
-    timeout "$limit" "$@" > "$results/$out" 2> "$results/$name.err"
+    timeout "$limit" "$@" > "$results/$file" 2> "$results/$name.err"
     echo "$name rc=$? seconds=$((SECONDS - start))" >> "$results/steps.txt"
 }
 

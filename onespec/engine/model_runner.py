@@ -224,7 +224,8 @@ class ModelRunner:
             q_lens.append(rows)
             row_params += [req.sampling_params] * rows
             row_pos += [p + o + 1 for o in offsets]
-            histories += [_history(req, drafts[:j]) for j in range(rows)]
+            histories += [_history(req, drafts[:j]) for j in range(rows)] \
+                if req.sampling_params.has_processors else [None] * rows
             scored.add_output_rows(req, range(len(logit_rows) - rows, len(logit_rows)))
         reqs = batch.requests
         draft_reqs = drafting_requests(batch)

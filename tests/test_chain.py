@@ -16,16 +16,21 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def layout(b: int, k: int, width: int):
+    """The chain step's input offsets, written out: ids, positions, drafts, tables,
+    sources, end (what ChainShape.input_layout must give)."""
     rows = b * (k + 1)
     o_tables = 2 * rows + b * k
-    return 0, rows, 2 * rows, o_tables, o_tables + b * width, o_tables + b * width + b
+    offsets = 0, rows, 2 * rows, o_tables, o_tables + b * width, o_tables + b * width + b
+    lay = ChainShape().input_layout(b, k, width)
+    assert (0, lay.pos_at, lay.drafts_at, lay.tables_at, lay.src_at, lay.size) == offsets
+    return lay, offsets
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4])
 def test_chain_inputs_matches_reference(k):
     b, width = 4, 3
     g = torch.Generator().manual_seed(k)
-    offsets = layout(b, k, width)
+    lay, offsets = layout(b, k, width)
     inp = torch.randint(0, 1000, (offsets[-1],), generator=g)
     # rows 0 and 2 continue rows 2 and 0 of the previous step; 1 and 3 take host inputs
     inp[offsets[4]:] = torch.tensor([2, -1, 0, -1])
@@ -34,9 +39,9 @@ def test_chain_inputs_matches_reference(k):
                       torch.randint(1, k + 2, (b,), generator=g),           # accepted 1..k+1
                       torch.randint(0, 1000, (b * k,), generator=g)])
     want = inp.clone()
-    chain_inputs_reference(want, prev, offsets, ResultsLayout(b, k, k, False))
+    chain_inputs_reference(want, prev, lay, ResultsLayout(b, k, k, False))
     got = inp.clone().to(DEV)
-    chain_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, k, k, False))
+    chain_inputs(got, prev.to(DEV), lay, ResultsLayout(b, k, k, False))
     assert torch.equal(got.cpu(), want)
     # the reference itself: row 0 is row 2's last accepted token and its drafts
     num = int(prev[rows + 2])
@@ -61,6 +66,9 @@ def test_chain_tree_inputs(depth, nodes):
     g = torch.Generator().manual_seed(depth)
     o_tables = 2 * b * r + 2 * b * nodes
     offsets = (0, b * r, 2 * b * r, o_tables, o_tables + b * width, o_tables + b * width + b)
+    lay = TreeShape(depth=depth, top_k=2, num_nodes=nodes).input_layout(b, depth, width)
+    assert (0, lay.pos_at, lay.drafts_at, lay.tables_at, lay.src_at, lay.size) == offsets
+    assert lay.parents_at == offsets[2] + b * nodes
     inp = torch.randint(0, 1000, (offsets[-1],), generator=g)
     inp[offsets[4]:] = torch.tensor([2, -1, 0, -1])
     rows = b * (depth + 1)
@@ -80,7 +88,7 @@ def test_chain_tree_inputs(depth, nodes):
         p0 = offsets[2] + b * nodes + i * nodes
         want[p0:p0 + nodes] = parents
     got = inp.clone().to(DEV)
-    chain_tree_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, depth, nodes, True))
+    chain_tree_inputs(got, prev.to(DEV), lay, ResultsLayout(b, depth, nodes, True))
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, inp)
 
@@ -90,15 +98,14 @@ def test_chain_tree_inputs_without_sources_ignore_stale_results():
     finds in the results buffer whatever the last step left, in that step's layout: counts
     may be token ids. Nothing is read from there, and nothing fails (an out-of-range gather
     index is a device-side assert on CUDA, fatal to the process)."""
-    b, depth, nodes, width, r = 4, 4, 10, 3, 11
-    o_tables = 2 * b * r + 2 * b * nodes
-    offsets = (0, b * r, 2 * b * r, o_tables, o_tables + b * width, o_tables + b * width + b)
+    b, depth, nodes, width = 4, 4, 10, 3
+    lay = TreeShape(depth=depth, top_k=3, num_nodes=nodes).input_layout(b, depth, width)
     g = torch.Generator().manual_seed(0)
-    inp = torch.randint(0, 1000, (offsets[-1],), generator=g)
-    inp[offsets[4]:] = -1
+    inp = torch.randint(0, 1000, (lay.size,), generator=g)
+    inp[lay.src_at:] = -1
     prev = torch.randint(100, 1000, (b * (depth + 2 + 2 * nodes),), generator=g)
     got = inp.clone().to(DEV)
-    chain_tree_inputs(got, prev.to(DEV), offsets, ResultsLayout(b, depth, nodes, True))
+    chain_tree_inputs(got, prev.to(DEV), lay, ResultsLayout(b, depth, nodes, True))
     assert torch.equal(got.cpu(), inp)
 
 
@@ -121,3 +128,15 @@ def test_results_layout_packs_and_unpacks_what_the_shapes_say():
     flat = chain.pack(torch.tensor([[1, 2], [3, 4]]), torch.tensor([1, 2]),
                       torch.tensor([[5], [6]]))
     assert chain.unpack(flat.tolist(), 2) == ([1, 2], [[1, 2], [3, 4]], [[5], [6]], None)
+
+
+def test_results_layout_of_an_eager_step_has_its_own_draft_rows():
+    """An eager step drafts for its generation requests and for prompts finished in the
+    step: its drafts have their own row count, read back with unpack(n, n_drafts)."""
+    num_acc, drafts = torch.tensor([1, 3]), torch.tensor([[7, 8], [9, 10], [11, 12]])
+    layout = ResultsLayout.of(2, num_acc, drafts)
+    assert layout == ResultsLayout(2, 2, 2, False, 3)
+    flat = layout.pack(torch.tensor([[1, 2, 3], [4, 5, 6]]), num_acc, drafts)
+    assert layout.size == flat.numel() == 6 + 2 + 6
+    assert layout.unpack(flat.tolist(), 2, 3) == ([1, 3], [[1, 2, 3], [4, 5, 6]],
+                                                  [[7, 8], [9, 10], [11, 12]], None)

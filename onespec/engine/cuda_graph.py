@@ -24,8 +24,7 @@ from tqdm.auto import tqdm
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
-from onespec.speculative.shape import ChainShape
-from onespec.speculative.tree import TreeInputs, ancestor_matrix, mask_tree_block
+from onespec.speculative.shape import ChainShape, InputLayout
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import GraphMasks, StepGrammar
 
@@ -75,11 +74,7 @@ class CudaGraphRunner:
         self.num_reused_masks = 0   # their verify rows masked with the draft loop's masks
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
-        self.tree = worker.tree                # dynamic trees: a step of K > 0 is a tree's
-        self.shape = worker.tree or ChainShape()
-
-    def _is_tree(self, k: int) -> bool:
-        return self.tree is not None and k > 0
+        self.shape = worker.tree or ChainShape()   # inputs, results, tree inputs of a step
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]
@@ -99,7 +94,7 @@ class CudaGraphRunner:
         (`prev`, what a chained step reads) and in two pinned buffers; one event per
         pinned pair, recorded when the step that uses it has copied its results out."""
         if k not in self.bufs:
-            size = self._layout(self.buckets[-1], k)[-1]
+            size = self._layout(self.buckets[-1], k).size
             out = self._results_size(self.buckets[-1], k)
             self.bufs[k] = {
                 "host": [torch.zeros(size, dtype=torch.int64, pin_memory=True)
@@ -111,16 +106,9 @@ class CudaGraphRunner:
                 "next": 0}
         return self.bufs[k]
 
-    def _layout(self, b: int, k: int) -> tuple[int, int, int, int, int, int]:
-        """Offsets of input_ids, positions [b, R], draft tokens [b, D] (a tree's: then their
-        parents [b, D]), block tables [b, width], chain sources [b] (kernels/chain.py) and
-        the end, for bucket b. R, D: verify rows and drafts a request (K + 1 and K for a
-        chain, N + 1 and N for a tree of N nodes)."""
-        rows = b * self.shape.verify_rows(k)
-        drafts = b * self.shape.num_drafts(k) * (2 if self._is_tree(k) else 1)
-        o_tables = 2 * rows + drafts
-        o_src = o_tables + b * self.width
-        return 0, rows, 2 * rows, o_tables, o_src, o_src + b
+    def _layout(self, b: int, k: int) -> InputLayout:
+        """Bucket b's inputs in the flat buffers (the shape's InputLayout)."""
+        return self.shape.input_layout(b, k, self.width)
 
     def _results_size(self, b: int, k: int) -> int:
         """Length of a step's results for bucket b (the shape's ResultsLayout)."""
@@ -132,39 +120,31 @@ class CudaGraphRunner:
         from onespec.kernels.chain import chain_inputs, chain_tree_inputs  # Triton: only
         buf = buf or self._buffers(k)                                      # where graphs run
         results = self.shape.results_layout(b, k)
-        if results.has_parents:
-            chain_tree_inputs(buf["dev"], buf["prev"], self._layout(b, k), results)
-        else:
-            chain_inputs(buf["dev"], buf["prev"], self._layout(b, k), results)
+        chain = chain_tree_inputs if results.has_parents else chain_inputs
+        chain(buf["dev"], buf["prev"], self._layout(b, k), results)
         res = self.worker.step(self._inputs(b, k, buf["dev"]))
         out = results.pack(res.accepted, res.num_accepted, res.drafts, res.draft_parents)
         buf["prev"][:out.numel()].copy_(out)
 
     def _inputs(self, b: int, k: int, dev: torch.Tensor, grammar=None) -> StepInputs:
         """The step inputs of bucket b, views of the device input buffer `dev`."""
-        o_ids, o_pos, o_drafts, o_tables, _, _ = self._layout(b, k)
-        r, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
-        rows = b * r
-        ids, pos = dev[o_ids:o_pos], dev[o_pos:o_drafts]
-        tables = dev[o_tables:o_tables + b * self.width].view(b, self.width)
+        lay = self._layout(b, k)
+        v = lay.views(dev)
+        r, rows = lay.rows, b * lay.rows
+        ids, pos = v["ids"].reshape(-1), v["pos"].reshape(-1)
+        tables = v["tables"]
         meta = build_attention_metadata(tables, r, pos, self.block_size,
                                         sliding_window=self.sliding_window, backend="triton")
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         every = torch.arange(b, device=self.device)
-        tree = None
-        if self._is_tree(k):       # as ModelRunner._tree_inputs, from the parents on the device
-            parents = dev[o_drafts + b * nd:o_tables].view(b, nd)
-            ancestors = ancestor_matrix(parents, self.tree.depth)           # [b, R, R]
-            base = pos.view(b, r)[:, 0]                                     # P
-            rotary = (base[:, None] + ancestors.sum(-1) - 1).reshape(-1)   # P + depth
-            tree = TreeInputs(parents, ancestors, rotary,
-                              mask_tree_block(meta, every, base, ancestors))
+        # a tree step's: as ModelRunner's, from the parents on the device
+        tree = self.shape.tree_inputs(k, v["parents"], v["pos"][:, 0], meta, every)
         return StepInputs(
             input_ids=ids, positions=pos, meta=meta, block_tables=tables, num_ctx=0,
             num_gen=b, k=k, logit_rows=torch.arange(rows, device=self.device),
             ctx_last_rows=empty, draft_ctx_rows=empty, draft_reqs=every, gen_start=0,
             shift_ids=torch.full_like(ids, -1),
-            draft_tokens=dev[o_drafts:o_drafts + b * nd].view(b, nd),
+            draft_tokens=v["drafts"],
             draft_probs=None, row_sampling=self.greedy(rows), gen_sampling=self.greedy(b),
             draft_sampling=self.greedy(b), max_kv_draft=0, block_size=self.block_size,
             grammar=grammar, tree=tree)
@@ -175,21 +155,17 @@ class CudaGraphRunner:
         request i continues row i of the step launched just before, whose results the host
         has not seen: its tokens and drafts come from there on the device, and its
         positions (written here as that step's) move on by its accepted count."""
-        o_ids, o_pos, o_drafts, o_tables, o_src, end = self._layout(b, k)
-        r, nd = self.shape.verify_rows(k), self.shape.num_drafts(k)
+        lay = self._layout(b, k)
         host = host.numpy()
         n = len(reqs)
-        ids = host[o_ids:o_pos].reshape(b, r)
-        pos = host[o_pos:o_drafts].reshape(b, r)
-        drafts = host[o_drafts:o_drafts + b * nd].reshape(b, nd)
-        parents = host[o_drafts + b * nd:o_tables].reshape(b, nd) if self._is_tree(k) else None
-        tables = host[o_tables:o_src].reshape(b, self.width)
-        src = host[o_src:end]
+        v = lay.views(host)
+        ids, pos, drafts, parents = v["ids"], v["pos"], v["drafts"], v["parents"]
+        tables, src = v["tables"], v["src"]
         ids.fill(0)
-        host[o_drafts:o_tables] = 0                # padding trees: every node under the root
+        host[lay.drafts_at:lay.tables_at] = 0     # padding trees: every node under the root
         tables.fill(self.scratch_block)
         src.fill(-1)
-        pos[:] = np.arange(r)
+        pos[:] = np.arange(lay.rows)
         for i, req in enumerate(reqs):
             pos[i] += req.num_computed
             tables[i, :len(req.block_table)] = req.block_table
@@ -213,7 +189,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)   # no launched step still reads dev or prev
         self._compile_ahead(todo, k)
         for b in tqdm(todo, desc=f"capturing CUDA graphs (K={k})", leave=False):
-            end = self._layout(b, k)[-1]
+            end = self._layout(b, k).size
             self._fill_inputs([], b, k, buf["host"][0])      # all padding: the scratch block
             buf["dev"][:end].copy_(buf["host"][0][:end])
             stream = torch.cuda.Stream(self.device)
@@ -244,7 +220,7 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def warm_up(b: int):
-            host = torch.zeros(self._layout(b, k)[-1], dtype=torch.int64)
+            host = torch.zeros(self._layout(b, k).size, dtype=torch.int64)
             self._fill_inputs([], b, k, host)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 buf = {"dev": host.to(self.device),
@@ -292,7 +268,7 @@ class CudaGraphRunner:
         slot = buf["next"]
         buf["next"] ^= 1
         buf["events"][slot].synchronize()   # the launch before last, which used it, is done
-        end = self._layout(b, k)[-1]
+        end = self._layout(b, k).size
         self._fill_inputs(reqs, b, k, buf["host"][slot], chained)
         buf["dev"][:end].copy_(buf["host"][slot][:end], non_blocking=True)
         return slot
@@ -350,7 +326,7 @@ class CudaGraphRunner:
         in the pool reuse of them is always written before it is read."""
         buf = self._buffers(k)
         torch.cuda.synchronize(self.device)
-        end = self._layout(b, k)[-1]
+        end = self._layout(b, k).size
         self._fill_inputs([], b, k, buf["host"][0])              # all padding
         buf["dev"][:end].copy_(buf["host"][0][:end])
         masks = GraphMasks(b, k, self.worker.target.config.vocab_size, self.device)
@@ -394,7 +370,7 @@ class CudaGraphRunner:
         launch left them, but no row chained to a previous step (a chained row's
         positions would move on by its accepted count at every replay)."""
         b, k, _ = key
-        o_src, end = self._layout(b, k)[4:]
+        lay = self._layout(b, k)
         torch.cuda.synchronize(self.device)
-        self.bufs[k]["dev"][o_src:end] = -1
+        self.bufs[k]["dev"][lay.src_at:lay.size] = -1
         return self.graphs[key]

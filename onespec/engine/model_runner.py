@@ -12,9 +12,8 @@ from onespec.engine.scheduler import ScheduledBatch, StepOutput
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling, SamplingTensors
 from onespec.speculative.host_drafts import host_span
-from onespec.speculative.shape import ChainShape
+from onespec.speculative.shape import ChainShape, ResultsLayout
 from onespec.speculative.thinking import relaxed_delta
-from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import StepGrammar
 
@@ -102,6 +101,7 @@ class ModelRunner:
                  sliding_window: int | None = None, graphs=None, grammar_backend=None,
                  eos_token_ids: tuple[int, ...] = ()):
         self.worker = worker
+        self.shape = worker.tree or CHAIN   # the step's rows, tree inputs, result layout
         self.eos_token_ids = tuple(eos_token_ids)     # what min_tokens holds back
         self.graphs = graphs          # CudaGraphRunner or None
         self.greedy = GreedySampling(device)
@@ -119,34 +119,32 @@ class ModelRunner:
         inp = self.prepare(batch)
         res = self.worker.step(inp)
         bc, bg, k = inp.num_ctx, inp.num_gen, inp.k
+        layout = ResultsLayout.of(k, res.num_accepted, res.drafts, res.draft_parents)
         relaxed = [] if res.relaxed is None else [res.relaxed.reshape(-1)]
-        tree = [] if res.draft_parents is None else [res.draft_parents.reshape(-1)]
-        flat = torch.cat([res.context_tokens, res.accepted.reshape(-1), res.num_accepted,
-                          res.drafts.reshape(-1), *relaxed, *tree]).tolist()  # one host copy
+        flat = torch.cat([res.context_tokens, layout.pack(res.accepted, res.num_accepted,
+                                                          res.drafts, res.draft_parents),
+                          *relaxed]).tolist()                           # one host copy
         ctx, flat = flat[:bc], flat[bc:]
-        acc, flat = flat[:bg * (k + 1)], flat[bg * (k + 1):]
-        num_acc, flat = flat[:bg], flat[bg:]
-        kd = res.drafts.shape[1]
-        if tree:
-            flat, tree = flat[:-res.drafts.numel()], flat[-res.drafts.numel():]
+        num_acc, accepted, draft_rows, parent_rows = layout.unpack(flat, bg,
+                                                                   layout.rows_of_drafts)
         if relaxed:
-            flat, relaxed = flat[:-bg * k], flat[-bg * k:]
-            relaxed = [relaxed[i * k:(i + 1) * k] for i in range(bg)]
+            rest = flat[layout.size:]
+            relaxed = [rest[i * k:(i + 1) * k] for i in range(bg)]
         drafts: list[list[int]] = [[] for _ in range(bc + bg)]
         parents: list[list[int]] = [[] for _ in range(bc + bg)]
-        for row, i in enumerate(drafting_requests(batch) if kd else []):
-            drafts[i] = flat[row * kd:(row + 1) * kd]
-            if tree:
-                parents[i] = tree[row * kd:(row + 1) * kd]
+        for row, i in enumerate(drafting_requests(batch) if layout.num_drafts else []):
+            drafts[i] = draft_rows[row]
+            if parent_rows is not None:
+                parents[i] = parent_rows[row]
             if res.draft_probs is not None:
                 batch.requests[i].features.draft_probs = res.draft_probs[row]
         return StepOutput(
             context_tokens=ctx,
-            accepted=[acc[i * (k + 1):(i + 1) * (k + 1)] for i in range(bg)],
+            accepted=accepted,
             num_accepted=num_acc,
             drafts=drafts,
             relaxed=relaxed or None,
-            draft_parents=parents if tree else None,
+            draft_parents=parents if parent_rows is not None else None,
             logprobs=_by_owner(inp.logprob_rows, res.logprobs),
             prompt_logprobs=_by_owner(inp.prompt_logprob_rows, res.prompt_logprobs, many=True),
         )
@@ -186,7 +184,6 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         k = batch.k
-        tree = self.worker.tree if k else None
         ids, pos, shift, q_lens, logit_rows, ctx_last = [], [], [], [], [], []
         draft_ctx_rows = []
         row_params, row_pos = [], []       # per logit row: params, position of its token
@@ -214,7 +211,7 @@ class ModelRunner:
             drafts, parents = self._verified_drafts(req, k)
             draft_rows.append(drafts)
             tree_parents.append(parents)
-            offsets = depths_of(parents) if tree else range(k + 1)   # row -> position - P
+            offsets = self.shape.row_offsets(parents, k)      # row -> rotary position - P
             rows, p = len(offsets), req.num_computed
             logit_rows += range(len(ids), len(ids) + rows)
             ids += [req.token_ids[-1]] + drafts
@@ -250,14 +247,13 @@ class ModelRunner:
             gen_sampling=self._sampling(batch.generation,       # positions: first drafts
                                         [r.num_computed + 1 for r in batch.generation]),
             draft_sampling=self._sampling([reqs[i] for i in draft_reqs]),
-            max_kv_draft=max_kv + (tree.num_draft_slots if tree else k),
+            max_kv_draft=max_kv + self.shape.draft_kv_slots(k),
             block_size=self.block_size,
             relaxed_delta=None if not self.worker.acceptor.uses_thinking_phase else torch.tensor(
                 [relaxed_delta(r) for r in batch.generation], dtype=torch.float32, device=dev),
             grammar=StepGrammar(self.grammar_backend, batch, draft_rows, draft_reqs, dev)
             if StepGrammar.needed(batch) else None,
-            tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary))
-            if tree and batch.generation else None,
+            tree=self._tree_inputs(batch, meta, tree_parents, as_long(rotary)),
             processors=build_row_processors(histories, self.eos_token_ids, dev),
             logprob_rows=scored.output_rows(dev), prompt_logprob_rows=scored.prompt_rows(dev),
         )
@@ -265,18 +261,18 @@ class ModelRunner:
     def _verified_drafts(self, req: Request, k: int) -> tuple[list[int], list[int] | None]:
         """The drafts a generation request verifies this step and, for a tree, their
         parents (shape.py: a tree's padding is N nodes of PAD_DRAFT under the root)."""
-        return (self.worker.tree or CHAIN).verified_drafts(req, k)
+        return self.shape.verified_drafts(req, k)
 
-    def _tree_inputs(self, batch: ScheduledBatch, meta, tree_parents, rotary) -> TreeInputs:
-        """The tree verify: each generation request's rows see the prefix and their own
-        ancestors in the block [P, P + N] (TreeInputs)."""
+    def _tree_inputs(self, batch: ScheduledBatch, meta, tree_parents, rotary):
+        """A tree verify's TreeInputs (the shape's), or None for a chain's (no parents)."""
+        if not batch.generation or tree_parents[0] is None:
+            return None
         dev = self.device
         parents = torch.tensor(tree_parents, dtype=torch.int64, device=dev)  # [Bg, N]
-        ancestors = ancestor_matrix(parents, self.worker.tree.depth)
-        bc = len(batch.context)
         base = torch.tensor([r.num_computed for r in batch.generation], device=dev)
+        bc = len(batch.context)
         gen = torch.arange(bc, bc + len(batch.generation), device=dev)
-        return TreeInputs(parents, ancestors, rotary, mask_tree_block(meta, gen, base, ancestors))
+        return self.shape.tree_inputs(batch.k, parents, base, meta, gen, rotary)
 
     def _sampling(self, reqs: list[Request], positions=None) -> SamplingTensors:
         return self._sampling_rows([r.sampling_params for r in reqs], positions)

@@ -5,9 +5,9 @@ step n's results, so for each request that continues, its next inputs are derive
 those results are: the first row's token is the last accepted one, the other rows are the
 new drafts, and every position moves on by the number of tokens step n accepted.
 
-Both live in flat int64 buffers laid out by CudaGraphRunner._layout (engine/cuda_graph.py;
-the inputs) and by the step shape's ResultsLayout (speculative/shape.py; the previous
-step's results: accepted, counts, drafts and a tree's parents, read at its offsets).
+Both live in flat int64 buffers laid out by the step shape's InputLayout (the inputs) and
+ResultsLayout (the previous step's results: accepted, counts, drafts and a tree's parents),
+both in speculative/shape.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.speculative.shape import ResultsLayout
+from onespec.speculative.shape import InputLayout, ResultsLayout
 
 
 @triton.jit
@@ -35,29 +35,24 @@ def _chain_kernel(INP, PREV, o_ids, o_pos, o_drafts, o_src, o_num, o_prev_drafts
         tl.store(INP + o_drafts + i * K + c, tl.load(drafts + c, mask=c < K), mask=c < K)
 
 
-def chain_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+def chain_inputs(inp: torch.Tensor, prev: torch.Tensor, layout: InputLayout,
                  results: ResultsLayout):
-    """In place on inp: each request row i with source j = inp[o_src + i] >= 0 takes
+    """In place on inp (in `layout`): each request row i with source j = src[i] >= 0 takes
     ids [last accepted of j, drafts of j], drafts of j, and its positions + num_accepted[j]
-    (the host wrote j's positions of the previous step there). offsets: (ids, pos, drafts,
-    tables, src, end) as CudaGraphRunner._layout gives them; results: prev's layout."""
-    o_ids, o_pos, o_drafts, _, o_src, _ = offsets
+    (the host wrote j's positions of the previous step there). results: prev's layout."""
     k = results.k
-    _chain_kernel[(results.b,)](inp, prev, o_ids, o_pos, o_drafts, o_src,
+    _chain_kernel[(results.b,)](inp, prev, 0, layout.pos_at, layout.drafts_at, layout.src_at,
                                 results.num_accepted_at, results.drafts_at, K=k,
                                 ROW_PAD=max(2, triton.next_power_of_2(k + 1)), num_warps=1)
 
 
-def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+def chain_inputs_reference(inp: torch.Tensor, prev: torch.Tensor, layout: InputLayout,
                            results: ResultsLayout):
     """chain_inputs in PyTorch (tests)."""
-    o_ids, o_pos, o_drafts, _, o_src, _ = offsets
-    b, k = results.b, results.k
-    ids = inp[o_ids:o_pos].view(b, k + 1)
-    pos = inp[o_pos:o_drafts].view(b, k + 1)
-    drafts = inp[o_drafts:o_drafts + b * k].view(b, k)
+    v = layout.views(inp)
+    ids, pos, drafts = v["ids"], v["pos"], v["drafts"]
     accepted, num, prev_drafts, _ = _views(prev, results)
-    for i, j in enumerate(inp[o_src:o_src + b].tolist()):
+    for i, j in enumerate(v["src"].tolist()):
         if j < 0:
             continue
         n = int(num[j])
@@ -77,7 +72,7 @@ def _views(prev: torch.Tensor, results: ResultsLayout):
             prev[results.parents_at:results.size].view(b, nd) if results.has_parents else None)
 
 
-def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int, ...],
+def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, layout: InputLayout,
                       results: ResultsLayout):
     """chain_inputs for tree steps of depth k and num_nodes nodes, in PyTorch operations
     (no host sync: graph-capturable, and runs on any device). The inputs hold ids and
@@ -85,10 +80,9 @@ def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int,
     results hold accepted [b, k+1], counts [b], nodes [b, N], parents [b, N]. Row i with
     source j >= 0 takes ids [last accepted of j, nodes of j], j's nodes and parents, and
     its positions + num_accepted[j]; other rows keep the host's inputs."""
-    o_ids, o_pos, o_drafts, o_tables, o_src, end = offsets
-    b, k, n = results.b, results.k, results.num_drafts
-    r = n + 1
-    src = inp[o_src:end]
+    k = results.k
+    v = layout.views(inp)
+    src = v["src"]
     has = (src >= 0)[:, None]
     j = src.clamp(min=0)
     accepted, counts, prev_nodes, prev_parents = _views(prev, results)
@@ -97,10 +91,8 @@ def chain_tree_inputs(inp: torch.Tensor, prev: torch.Tensor, offsets: tuple[int,
     # so the gather stays in range; its value is dropped below)
     last = accepted[j].gather(1, (num - 1).clamp(0, k)[:, None])
     nodes, parents = prev_nodes[j], prev_parents[j]
-    ids = inp[o_ids:o_pos].view(b, r)
+    ids = v["ids"]
     ids.copy_(torch.where(has, torch.cat([last, nodes], 1), ids))
-    pos = inp[o_pos:o_drafts].view(b, r)
-    pos.add_(torch.where(has, num[:, None], 0))
-    for dst, val in ((inp[o_drafts:o_drafts + b * n].view(b, n), nodes),
-                     (inp[o_drafts + b * n:o_tables].view(b, n), parents)):
+    v["pos"].add_(torch.where(has, num[:, None], 0))
+    for dst, val in ((v["drafts"], nodes), (v["parents"], parents)):
         dst.copy_(torch.where(has, val, dst))

@@ -1,7 +1,12 @@
-"""How many rows and cache slots one step of a drafting method takes, per generation request.
+"""A step's shape: how many rows and cache slots one step of a drafting method takes per
+generation request, where each row sits in the position space, and how a graph step's
+inputs and results are laid out.
 
 The scheduler reserves slots and counts tokens with these, so a chain and a tree share one
-scheduler. K is the step's draft length (0: a plain decode step).
+scheduler; the runner, the CUDA-graph runner and kernels/chain.py read a step's flat inputs
+(InputLayout) and results (ResultsLayout) through the shape, and a tree's extra verify
+inputs (TreeInputs) come from `tree_inputs`. K is the step's draft length (0: a plain
+decode step). A new shape implements the same methods.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from onespec.engine.kv_cache import slots_per_step
+from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
 
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
 
@@ -32,13 +38,28 @@ class ChainShape:
         """Slots past the end of a prompt's last chunk its draft passes write (K - 1)."""
         return max(k - 1, 0) if self.drafting else 0
 
+    def draft_kv_slots(self, k: int) -> int:
+        """Draft-KV positions the draft loop writes past the verify's last key."""
+        return k
+
     def results_layout(self, b: int, k: int) -> ResultsLayout:
         return ResultsLayout(b, k, k, has_parents=False)
+
+    def input_layout(self, b: int, k: int, width: int) -> InputLayout:
+        return InputLayout(b, self.verify_rows(k), k, False, width)
 
     def verified_drafts(self, req, k: int) -> tuple[list[int], list[int] | None]:
         """The drafts a generation request verifies in a step of draft length k, and None
         (a chain has no parents). Missing drafts are padding (PAD_DRAFT)."""
         return (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k], None
+
+    def row_offsets(self, parents, k: int):
+        """Each verify row's position past the request's last computed one: 0..K."""
+        return range(k + 1)
+
+    def tree_inputs(self, k, parents, base, meta, gen_rows, rotary=None) -> None:
+        """A chain's verify is causal: no tree inputs."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -74,9 +95,34 @@ class TreeShape:
     def ctx_slots(self, k: int) -> int:
         return self.num_draft_slots if k else 0
 
+    def draft_kv_slots(self, k: int) -> int:
+        return self.num_draft_slots if k else 0
+
     def results_layout(self, b: int, k: int) -> ResultsLayout:
         """A tree step's results (K = depth) carry its nodes' parents; a K = 0 step's none."""
         return ResultsLayout(b, k, self.num_drafts(k), has_parents=k > 0)
+
+    def input_layout(self, b: int, k: int, width: int) -> InputLayout:
+        """A tree step's inputs carry its nodes' parents after the nodes."""
+        return InputLayout(b, self.verify_rows(k), self.num_drafts(k), k > 0, width)
+
+    def row_offsets(self, parents, k: int):
+        """Each verify row's rotary position past the request's last computed one: the
+        root's 0, each node's depth (a K = 0 step: the root only)."""
+        return depths_of(parents) if k else range(1)
+
+    def tree_inputs(self, k, parents, base, meta, gen_rows, rotary=None) -> TreeInputs | None:
+        """The tree verify's inputs: each request's rows see the prefix and their own
+        ancestors in the block [P, P + N]. parents [b, N] (on the device), base [b] = P,
+        gen_rows: the requests' indices in meta; rotary: every row's rotary position, or
+        None to derive the generation rows' (P + depth) from the parents on the device."""
+        if not k:
+            return None
+        ancestors = ancestor_matrix(parents, self.depth)                   # [b, R, R]
+        if rotary is None:
+            rotary = (base[:, None] + ancestors.sum(-1) - 1).reshape(-1)
+        return TreeInputs(parents, ancestors, rotary,
+                          mask_tree_block(meta, gen_rows, base, ancestors))
 
     def verified_drafts(self, req, k: int) -> tuple[list[int], list[int] | None]:
         """The nodes a generation request verifies and their parents; K = 0 is a chain's
@@ -91,15 +137,77 @@ class TreeShape:
 
 
 @dataclass(frozen=True)
+class InputLayout:
+    """A graph step's inputs for a bucket of b requests as one flat int64 buffer:
+    input ids [b, R] | positions [b, R] | drafts [b, D] | parents [b, D] (trees only) |
+    block tables [b, width] | chain sources [b] (kernels/chain.py: the previous step's row
+    a request continues, or -1). R verify rows, D drafts a request."""
+    b: int
+    rows: int
+    num_drafts: int
+    has_parents: bool
+    width: int
+
+    @property
+    def pos_at(self) -> int:
+        return self.b * self.rows
+
+    @property
+    def drafts_at(self) -> int:
+        return 2 * self.b * self.rows
+
+    @property
+    def parents_at(self) -> int:
+        return self.drafts_at + self.b * self.num_drafts
+
+    @property
+    def tables_at(self) -> int:
+        return self.parents_at + (self.b * self.num_drafts if self.has_parents else 0)
+
+    @property
+    def src_at(self) -> int:
+        return self.tables_at + self.b * self.width
+
+    @property
+    def size(self) -> int:
+        return self.src_at + self.b
+
+    def views(self, buf) -> dict:
+        """ids, pos [b, R], drafts and parents [b, D] (parents None for a chain), tables
+        [b, width], src [b]: views of a buffer (a tensor or a numpy array) in this layout."""
+        b = self.b
+        return dict(ids=buf[:self.pos_at].reshape(b, self.rows),
+                    pos=buf[self.pos_at:self.drafts_at].reshape(b, self.rows),
+                    drafts=buf[self.drafts_at:self.parents_at].reshape(b, self.num_drafts),
+                    parents=buf[self.parents_at:self.tables_at].reshape(b, self.num_drafts)
+                    if self.has_parents else None,
+                    tables=buf[self.tables_at:self.src_at].reshape(b, self.width),
+                    src=buf[self.src_at:self.size])
+
+
+@dataclass(frozen=True)
 class ResultsLayout:
     """A generation step's results for a bucket of b requests as one flat int64 tensor:
-    accepted [b, K+1] | num_accepted [b] | drafts [b, D] | parents [b, D] (trees only),
-    D drafts a request. The CUDA-graph runner writes and reads them, and kernels/chain.py
-    reads them, through this one object (a shape's results_layout)."""
+    accepted [b, K+1] | num_accepted [b] | drafts [d, D] | parents [d, D] (trees only),
+    D drafts a row, d draft rows (b in a graph step; an eager step's drafting requests,
+    prompts that finished this step included). The model runner, the CUDA-graph runner
+    and kernels/chain.py write and read them through this one object (a shape's
+    results_layout)."""
     b: int
     k: int
     num_drafts: int
     has_parents: bool
+    draft_rows: int | None = None
+
+    @classmethod
+    def of(cls, k: int, num_accepted, drafts, parents=None) -> ResultsLayout:
+        """The layout of a step's result tensors: num_accepted [b], drafts [d, D]."""
+        return cls(num_accepted.numel(), k, drafts.shape[1], parents is not None,
+                   drafts.shape[0])
+
+    @property
+    def rows_of_drafts(self) -> int:
+        return self.b if self.draft_rows is None else self.draft_rows
 
     @property
     def num_accepted_at(self) -> int:
@@ -111,27 +219,30 @@ class ResultsLayout:
 
     @property
     def parents_at(self) -> int:
-        return self.drafts_at + self.b * self.num_drafts
+        return self.drafts_at + self.rows_of_drafts * self.num_drafts
 
     @property
     def size(self) -> int:
-        return self.parents_at + (self.b * self.num_drafts if self.has_parents else 0)
+        return self.parents_at + (self.rows_of_drafts * self.num_drafts
+                                  if self.has_parents else 0)
 
     def pack(self, accepted, num_accepted, drafts, parents=None):               # [size]
-        """accepted [b, K+1], num_accepted [b], drafts [b, D], parents [b, D] or None."""
+        """accepted [b, K+1], num_accepted [b], drafts [d, D], parents [d, D] or None."""
         extra = [parents.reshape(-1)] if self.has_parents else []
         return torch.cat([accepted.reshape(-1), num_accepted, drafts.reshape(-1), *extra])
 
-    def unpack(self, flat: list[int], n: int) -> tuple[list[int], list[list[int]],
-                                                     list[list[int]], list[list[int]] | None]:
-        """The first n requests' (num_accepted, accepted rows, drafts, parents or None) of
-        results copied to the host as a list."""
+    def unpack(self, flat: list[int], n: int, n_drafts: int | None = None
+               ) -> tuple[list[int], list[list[int]], list[list[int]], list[list[int]] | None]:
+        """The first n requests' (num_accepted, accepted rows) and the first n_drafts
+        (default n) draft rows' (drafts, parents or None) of results copied to the host as
+        a list."""
         k1, nd = self.k + 1, self.num_drafts
+        n_drafts = n if n_drafts is None else n_drafts
         accepted = [flat[i * k1:(i + 1) * k1] for i in range(n)]
         num_acc = flat[self.num_accepted_at:self.num_accepted_at + n]
         at = self.drafts_at
-        drafts = [flat[at + i * nd:at + (i + 1) * nd] for i in range(n)]
+        drafts = [flat[at + i * nd:at + (i + 1) * nd] for i in range(n_drafts)]
         at = self.parents_at
-        parents = [flat[at + i * nd:at + (i + 1) * nd] for i in range(n)] \
+        parents = [flat[at + i * nd:at + (i + 1) * nd] for i in range(n_drafts)] \
             if self.has_parents else None
         return num_acc, accepted, drafts, parents

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from onespec.engine.scheduler import ScheduledBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
-from onespec.speculative.shape import ChainShape, InputLayout
+from onespec.speculative.shape import InputLayout
 from onespec.speculative.worker import SpecWorker, StepInputs
 from onespec.structured.step import GraphMasks, StepGrammar
 
@@ -74,7 +74,7 @@ class CudaGraphRunner:
         self.num_reused_masks = 0   # their verify rows masked with the draft loop's masks
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
-        self.shape = worker.tree or ChainShape()   # inputs, results, tree inputs of a step
+        self.shape = worker.shape      # inputs, results, tree inputs of a step
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]

@@ -101,7 +101,7 @@ class ModelRunner:
                  sliding_window: int | None = None, graphs=None, grammar_backend=None,
                  eos_token_ids: tuple[int, ...] = ()):
         self.worker = worker
-        self.shape = worker.tree or CHAIN   # the step's rows, tree inputs, result layout
+        self.shape = worker.shape      # the step's rows, tree inputs, result layout
         self.eos_token_ids = tuple(eos_token_ids)     # what min_tokens holds back
         self.graphs = graphs          # CudaGraphRunner or None
         self.greedy = GreedySampling(device)

@@ -16,6 +16,7 @@ import torch
 
 from onespec.engine.kv_cache import slots_per_step
 from onespec.speculative.tree import TreeInputs, ancestor_matrix, depths_of, mask_tree_block
+from onespec.speculative.tree_step import tree_step
 
 PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossless
 
@@ -56,6 +57,10 @@ class ChainShape:
     def row_offsets(self, parents, k: int):
         """Each verify row's position past the request's last computed one: 0..K."""
         return range(k + 1)
+
+    def run_step(self, worker, inp):
+        """verify -> accept -> draft K in a row (SpecWorker.chain_step)."""
+        return worker.chain_step(inp)
 
     def tree_inputs(self, k, parents, base, meta, gen_rows, rotary=None) -> None:
         """A chain's verify is causal: no tree inputs."""
@@ -110,6 +115,14 @@ class TreeShape:
         """Each verify row's rotary position past the request's last computed one: the
         root's 0, each node's depth (a K = 0 step: the root only)."""
         return depths_of(parents) if k else range(1)
+
+    def run_step(self, worker, inp):
+        """Tree-masked verify -> acceptance along one path -> draft the next tree
+        (tree_step.py); a K = 0 step is a chain's."""
+        if not inp.k:
+            return worker.chain_step(inp)
+        ctx, accepted, num_accepted, drafts, parents = tree_step(worker, inp, self)
+        return worker.results(ctx, accepted, num_accepted, drafts, draft_parents=parents)
 
     def tree_inputs(self, k, parents, base, meta, gen_rows, rotary=None) -> TreeInputs | None:
         """The tree verify's inputs: each request's rows see the prefix and their own

@@ -13,13 +13,17 @@ With k = 1 this is exactly where a chain's draft steps write.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from onespec.layers.attention import build_attention_metadata
 from onespec.speculative.drafter import Drafter
-from onespec.speculative.shape import TreeShape
 from onespec.speculative.tree import mask_tree_block, select_tree
+
+if TYPE_CHECKING:
+    from onespec.speculative.shape import TreeShape
 
 
 def _top_children(drafter: Drafter, h: Tensor, top_k: int) -> tuple[Tensor, Tensor]:

@@ -10,11 +10,15 @@ them, so draft step 0 and everything after treat the block as a chain's.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from onespec.speculative.shape import TreeShape
 from onespec.speculative.tree import compact_cache, compact_rows
 from onespec.speculative.tree_draft import draft_tree
+
+if TYPE_CHECKING:
+    from onespec.speculative.shape import TreeShape
 
 
 def tree_step(worker, inp, shape: TreeShape):

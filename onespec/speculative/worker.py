@@ -18,9 +18,8 @@ from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
 from onespec.speculative.acceptors import StrictAcceptor
 from onespec.speculative.drafter import Drafter
-from onespec.speculative.shape import TreeShape
+from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.tree import TreeInputs
-from onespec.speculative.tree_step import tree_step
 from onespec.structured.step import RowMask, StepGrammar
 
 
@@ -133,6 +132,7 @@ class SpecWorker:
                  attn_backend: str = "torch", tree: TreeShape | None = None):
         self.target, self.drafter = target, drafter
         self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
+        self.shape = tree or ChainShape()     # runs the step: verify -> accept -> draft
         self.acceptor = acceptor or StrictAcceptor()
         self.verifier = Verifier(target, generator)
         self.generator = generator
@@ -158,9 +158,15 @@ class SpecWorker:
                 inp.grammar.rollback()
 
     def _step(self, inp: StepInputs) -> StepResults:
-        if self.tree is not None and inp.k:
-            ctx, accepted, num_accepted, drafts, parents = tree_step(self, inp, self.tree)
-            return StepResults(ctx, accepted, num_accepted, drafts, None, draft_parents=parents)
+        return self.shape.run_step(self, inp)
+
+    @staticmethod
+    def results(context_tokens, accepted, num_accepted, drafts, draft_probs=None,
+                **extra) -> StepResults:
+        return StepResults(context_tokens, accepted, num_accepted, drafts, draft_probs, **extra)
+
+    def chain_step(self, inp: StepInputs) -> StepResults:
+        """A chain step: verify [t_last, d1..dK] -> accept -> draft K in a row."""
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
         rows = hidden[inp.logit_rows]
         acc = self.acceptor.accept(self.verifier, inp, rows)

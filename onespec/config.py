@@ -21,6 +21,16 @@ def _check_int(name: str, value, low: int, high: int | None = None, allow_none: 
         raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
 
 
+ATTENTION_DP_MISSING = (
+    "enable_attention_dp=True is not supported: attention data parallelism (each rank "
+    "attending for its own requests, MoE and dense layers tensor-parallel over every "
+    "rank's tokens) needs a KV pool per rank, a scheduler that places each request on one "
+    "rank, and steps padded to the largest rank's token count, none of which onespec has "
+    "yet. Use tensor_parallel_size=N (attention split by heads; an MLA target keeps its "
+    "whole latent cache on every rank) or replicas behind sglang-router / vllm-router "
+    "(docs/SCALING.md)")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -46,6 +56,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # ranks the target is split over (torch.distributed: NCCL on CUDA, gloo on the CPU)
     tensor_parallel_size: int = 1
+    # attention data-parallel over the tensor-parallel ranks (TensorRT-LLM's name): not
+    # built; True is refused with what is missing (docs/SCALING.md)
+    enable_attention_dp: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -66,6 +79,11 @@ class EngineConfig:
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.enable_attention_dp, bool):
+            raise ValueError(f"enable_attention_dp must be True or False, got "
+                             f"{self.enable_attention_dp!r}")
+        if self.enable_attention_dp:
+            raise ValueError(ATTENTION_DP_MISSING)
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from onespec.distributed import broadcast
+from onespec.distributed import broadcast, launch
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 from onespec.distributed.layers import check_tensor_parallel
 from onespec.models.loader import read_config
@@ -42,19 +42,29 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def start_ranks(config, speculative_config, features: frozenset) -> "RankGroup | None":
+def start_ranks(config, speculative_config, features: frozenset
+                ) -> "RankGroup | launch.LaunchedRanks | None":
     """The other ranks of a tensor-parallel engine (None for one rank), after checking
     that the checkpoint and devices allow the split. features: the configuration's
-    (combinations.py), which each rank checks again once its target is loaded."""
+    (combinations.py), which each rank checks again once its target is loaded. Under a
+    launcher (torchrun: launch.py) the ranks exist already: on rank 0 this joins them, on
+    any other rank it runs rank 0's steps and then ends the process."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
     check_tensor_parallel(read_config(config.model), size)
     device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        raise ValueError(f"device={config.device!r}: with tensor_parallel_size > 1 "
+                         "rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun); pass "
+                         "device='cuda'")
+    env = launch.launched_env(size)
+    if env is not None:         # torchrun started every rank: rank 0 drives, others follow
+        device = launch.local_device(device, env)
+        if env.rank != 0:
+            launch.follow(config, speculative_config, features, env, device)  # exits
+        return launch.LaunchedRanks(env, device)
     if device.type == "cuda":
-        if device.index is not None:
-            raise ValueError(f"device={config.device!r}: with tensor_parallel_size > 1 "
-                             "rank r runs on cuda:r; pass device='cuda'")
         if torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
                              f"{torch.cuda.device_count()} visible")

@@ -57,6 +57,15 @@ class BlockPool:
                     self.free_blocks.appendleft(block)
         block_table.clear()
 
+    def flush_cache(self) -> int:
+        """Forgets every cached block no request holds (they become plain free blocks);
+        returns how many. Blocks held by running requests stay cached."""
+        num = 0
+        while self.cache is not None and self.cache.num_parked:
+            self.free_blocks.appendleft(self.cache.evict())   # written pages: reused first
+            num += 1
+        return num
+
     # ---- prefix caching ----------------------------------------------------------------
     def match_prefix(self, req: Request) -> list[CachedBlock]:
         """Cached blocks req (waiting, holding no block) can start with: [] without caching."""

@@ -17,6 +17,7 @@ from onespec.serve.limits import ServerLimits
 from onespec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onespec.serve.serving import OpenAIServing
 from onespec.serve.stats_log import StatsLogger
+from onespec.serve.worker_routes import add_worker_routes
 
 # /health answers 503 while a request has been in admission (parsing, templating,
 # tokenizing, compiling its grammar) this long: admission is stuck
@@ -144,6 +145,7 @@ def create_app(llm, served_model_name: str, api_key: str | list[str] | None = No
     app.state.engine_loop, app.state.serving = loop, serving
     install_error_handlers(app)
     _add_status_routes(app, loop, serving, metrics)
+    add_worker_routes(app, loop, serving, served_model_name, _deep_problems)
     _add_api_routes(app, serving, _api_key_check(api_keys, cache_salt_per_api_key),
                     BodyReader(limits))
     return app

@@ -120,6 +120,16 @@ class EngineLoop:
         self._wake.set()
         await fut
 
+    async def flush_cache(self) -> int:
+        """Between two steps, forgets the cached prefixes no request holds; returns the
+        number of blocks freed (for a router's /flush_cache)."""
+        if not self.is_running:
+            raise EngineError("the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.append(("flush", None, fut))
+        self._wake.set()
+        return await fut
+
     def abort(self, request_id: str):
         """Aborts the request before the next step, freeing its KV blocks."""
         self._commands.append(("abort", request_id, None))
@@ -179,6 +189,9 @@ class EngineLoop:
             elif kind == "ping":
                 if not fut.done():
                     fut.set_result(None)
+            elif kind == "flush":
+                if not fut.done():
+                    fut.set_result(self.engine.pool.flush_cache())
             elif not fut.done():           # done: the caller went away before it was applied
                 self._add(fut, *arg)
         self._take_snapshot()

@@ -5,8 +5,10 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import fields
 
 from onespec.serve.limits import HELP, ServerLimits
@@ -135,6 +137,15 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
     import uvicorn  # noqa: F401    # a missing server module: one line from onespec.cli
+    from onespec.distributed.launch import launched_env
+    try:
+        launched = launched_env(args.tensor_parallel_size) \
+            if args.tensor_parallel_size > 1 else None
+    except ValueError as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
+        return 2
+    if launched is not None and launched.rank != 0:
+        return _follow_rank(args)       # torchrun's other ranks: rank 0 alone listens
     try:
         listener = bind_listener(args.host, args.port)
     except OSError as e:
@@ -144,6 +155,19 @@ def main(argv=None) -> int:
         return _load_and_serve(args, listener, limits)
     finally:
         listener.close()
+
+
+def _follow_rank(args) -> int:
+    """A rank other than 0 of a torchrun launch: builds its shard and runs rank 0's steps;
+    the process ends (SystemExit) when rank 0 stops (distributed/launch.py)."""
+    from onespec.cli import build_llm
+    configure_logging(args.log_level)
+    try:
+        build_llm(args)
+    except (ValueError, OSError) as e:
+        print(f"onespec serve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _load_and_serve(args, listener: socket.socket, limits: ServerLimits) -> int:
@@ -169,11 +193,22 @@ def _load_and_serve(args, listener: socket.socket, limits: ServerLimits) -> int:
                      log_stats_interval=args.log_stats_interval or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    # uvicorn raises SIGTERM again once it has shut down gracefully; as SystemExit it ends
+    # the process through `finally`, which stops the other ranks (torchrun's ranks wait for
+    # rank 0's word, not for a pipe to close)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
     try:
         uvicorn.Server(config).run(sockets=[listener])
     finally:                        # Ctrl-C too: the tensor-parallel workers stop with us
         llm.close()
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

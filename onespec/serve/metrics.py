@@ -68,6 +68,14 @@ class ServerMetrics:
                              registry=r)
         self.running = Gauge("onespec_num_requests_running", "Requests running in the engine",
                              registry=r)
+        # the load gauges again under vLLM's own names, which vllm-router's load-aware
+        # policies read from a worker's /metrics (worker_routes.py)
+        self.vllm_running = Gauge("vllm:num_requests_running",
+                                  "Requests running in the engine (vLLM's name)", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting",
+                                  "Requests queued in the engine (vLLM's name)", registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                                   "Fraction of KV blocks in use (vLLM's name)", registry=r)
         self.steps_by_k = Counter("onespec_draft_len_steps",
                                   "Engine steps run at each draft length K (chosen per step "
                                   "with draft_len_schedule='auto')", ["k"], registry=r)
@@ -145,6 +153,9 @@ class ServerMetrics:
         self.kv_usage.set(used / snap.num_blocks if snap.num_blocks else 0.0)
         self.waiting.set(snap.num_waiting)
         self.running.set(snap.num_running)
+        self.vllm_kv_usage.set(used / snap.num_blocks if snap.num_blocks else 0.0)
+        self.vllm_waiting.set(snap.num_waiting)
+        self.vllm_running.set(snap.num_running)
         self.acceptance_length.set(snap.stats.get("acceptance_length", 0.0))
         self.cache_hit_rate.set(snap.stats.get("prefix_cache_hit_rate", 0.0))
         self._render_draft_len(snap.stats)

@@ -12,13 +12,17 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig, make_vocab_maps
 from onespec.models.llama import DecoderConfig
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.quant import fp8
 
 VOCAB_MAPS = ("d2t", "t2d")
 
 
 def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device,
-                     dtype, dummy: bool = False, ops: TorchOps = TORCH_OPS) -> Eagle3Head:
-    """The head at `path` for a target of config `target`, built with the backend `ops`."""
+                     dtype, dummy: bool = False, ops: TorchOps = TORCH_OPS,
+                     quantize: bool = False) -> Eagle3Head:
+    """The head at `path` for a target of config `target`, built with the backend `ops`;
+    `quantize` (draft_dtype="fp8"): its linears, lm_head included, as e4m3 weights per
+    output channel (quant/fp8.py), computing in `dtype`."""
     cfg = Eagle3HeadConfig.from_hf(read_config(path))
     what = f"EAGLE-3 head {path!r}"
     if cfg.target_hidden_size != target.hidden_size:
@@ -28,7 +32,8 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         raise ValueError(f"{what} has vocab_size {cfg.target_vocab_size}, but the target has "
                          f"vocab_size {target.vocab_size}")
     if dummy:
-        return _dummy_head(cfg, num_captured, device, dtype, ops)
+        head = _dummy_head(cfg, num_captured, device, dtype, ops)
+        return fp8.quantize_model(head, skip=()) if quantize else head
     weights = dict(iter_weights(path, desc="loading draft head"))
     prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
     if not any(k.startswith(prefix) for k in weights):
@@ -59,6 +64,8 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
             head.t2d.copy_(maps["t2d"].bool())
     rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n)
     load_weights(head, weights.items(), rename=rename, what=what)
+    if quantize:        # on the CPU, before the move
+        fp8.quantize_model(head, skip=())
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
 
 

@@ -1,0 +1,313 @@
+"""FP8 checkpoints and FP8 quantization at load.
+
+Each published layout is written by the test from a tiny random float32 checkpoint
+(block-scaled `weight_scale_inv` with quant_method "fp8"; compressed-tensors per channel
+and per tensor; ModelOpt's hf_quant_config.json), with a second checkpoint holding the
+same weights dequantized: greedy output of the FP8 one equals the dequantized one's token
+for token (Llama, DeepSeek-V3 with MLA, experts and an MTP layer, Qwen3-MoE). Speculation
+(EAGLE-3 with an FP8 head, MTP) on FP8 targets equals plain decoding of the same FP8
+model. Bad scale shapes and unsupported schemes are refused by name."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
+from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
+from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
+from onespec.quant.fp8 import FP8, FP8Linear
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(20, 45))]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+E4M3_MAX = 448.0
+BLOCK = (16, 32)      # a non-square block, with partial blocks at the edges of some weights
+
+
+# ---- writing the published layouts -------------------------------------------------------
+
+def quantizable(name: str, t: torch.Tensor) -> bool:
+    """The weights published FP8 checkpoints quantize: every linear but the embedding,
+    lm_head / the MTP vocabulary head and the MoE router."""
+    return name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name and \
+        not name.startswith("lm_head") and "shared_head.head" not in name and \
+        not name.endswith("mlp.gate.weight")
+
+
+def e4m3(w: torch.Tensor, scale_per_element: torch.Tensor) -> torch.Tensor:
+    return (w / scale_per_element).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def block_quantized(w: torch.Tensor, block):
+    bo, bi = block
+    rows, cols = w.shape
+    scale = torch.empty(-(-rows // bo), -(-cols // bi))
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            tile = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
+            scale[r, c] = tile.abs().max() / E4M3_MAX
+    per_element = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+    q = e4m3(w, per_element)
+    return q, scale, q.float() * per_element
+
+
+def channel_quantized(w: torch.Tensor):
+    scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX                  # [out, 1]
+    q = e4m3(w, scale)
+    return q, scale, q.float() * scale
+
+
+def tensor_quantized(w: torch.Tensor):
+    scale = w.abs().max().reshape(1) / E4M3_MAX                           # [1]
+    q = e4m3(w, scale)
+    return q, scale, q.float() * scale
+
+
+def write_fp8(src: str, dst: str, layout: str) -> str:
+    """src's checkpoint in `layout` at dst, and its dequantized twin at dst + '-deq'."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    quant, deq = {}, {}
+    for name, t in tensors.items():
+        if not quantizable(name, t):
+            quant[name] = deq[name] = t
+            continue
+        base = name[:-len("weight")]
+        if layout == "block":
+            q, scale, d = block_quantized(t.float(), BLOCK)
+            quant[base + "weight_scale_inv"] = scale
+        elif layout == "compressed-channel":
+            q, scale, d = channel_quantized(t.float())
+            quant[base + "weight_scale"] = scale
+            quant[base + "input_scale"] = torch.tensor([0.05])
+        else:     # compressed-tensor, modelopt: one scale per tensor
+            q, scale, d = tensor_quantized(t.float())
+            quant[base + "weight_scale"] = scale if layout == "compressed-tensor" \
+                else scale.reshape(())
+            quant[base + "input_scale"] = torch.tensor(0.05)
+        quant[name], deq[name] = q, d
+    if layout == "modelopt":       # the KV-cache scales ModelOpt writes beside k/v_proj
+        for name in list(quant):
+            if name.endswith("self_attn.k_proj.weight"):
+                quant[name[:-len("weight")] + "k_scale"] = torch.tensor(1.0)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    for out, weights in ((dst, quant), (dst + "-deq", deq)):
+        os.makedirs(out, exist_ok=True)
+        save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
+    if layout == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "dynamic",
+                                      "weight_block_size": list(BLOCK)}
+    elif layout.startswith("compressed"):
+        channel = layout == "compressed-channel"
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                            "dynamic": False, "strategy": "channel" if channel else "tensor",
+                            "group_size": None, "block_structure": None},
+                "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                      "dynamic": channel,
+                                      "strategy": "token" if channel else "tensor"}}}}
+    else:
+        json.dump({"producer": {"name": "modelopt", "version": "0.19.0"},
+                   "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                    "exclude_modules": ["lm_head"]}},
+                  open(os.path.join(dst, "hf_quant_config.json"), "w"))
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+def greedy(path, **kw):
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **kw)
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert_pool_full(llm)
+    return llm, outs
+
+
+@pytest.fixture(scope="session")
+def llama_src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8-llama-src")
+    hf = make_hf_model(path, "llama", num_layers=4)
+    return str(path), hf
+
+
+@pytest.fixture(scope="session")
+def deepseek_fp8(tmp_path_factory):
+    """A DeepSeek-V3 checkpoint (q LoRA, a dense layer then MoE, one MTP layer) in the
+    block-scaled layout, as DeepSeek-V3/R1 ship theirs, and its dequantized twin."""
+    src = tmp_path_factory.mktemp("fp8-ds-src")
+    hf = make_deepseek_model(src, mtp_layers=1)
+    add_mtp_layers(src, hf, 1)
+    dst = str(tmp_path_factory.mktemp("fp8-ds") / "block")
+    return write_fp8(str(src), dst, "block")
+
+
+# ---- greedy output equals the dequantized model's ----------------------------------------
+
+@pytest.mark.parametrize("layout", ["block", "compressed-channel", "compressed-tensor",
+                                    "modelopt"])
+def test_llama_layouts_match_their_dequantized_weights(llama_src, tmp_path, layout):
+    path = write_fp8(llama_src[0], str(tmp_path / layout), layout)
+    llm, outs = greedy(path)
+    layer = llm.engine.model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, FP8Linear) and qkv.weight.dtype == FP8        # stays FP8
+    assert qkv.weight_scale.shape == ((-(-qkv.out_features // BLOCK[0]), 2)
+                                      if layout == "block" else (qkv.out_features,))
+    assert not isinstance(llm.engine.model.lm_head, FP8Linear)
+    _, want = greedy(path + "-deq")
+    assert outs == want
+
+
+def test_deepseek_block_fp8_matches_and_mtp_is_lossless(deepseek_fp8):
+    """MLA projections, shared and routed experts in block FP8 (kv_b_proj dequantized at
+    load: its weight is read as W_UK / W_UV); the FP8 MTP layer drafts losslessly."""
+    llm, outs = greedy(deepseek_fp8)
+    model = llm.engine.model
+    moe = model.model.layers[1].mlp
+    assert moe.experts.gate_up_proj.dtype == FP8 and moe.experts.block == BLOCK
+    assert moe.experts.gate_up_proj_scale.shape == (8, 64 // BLOCK[0], 64 // BLOCK[1])
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_a_proj, FP8Linear) and isinstance(attn.o_proj, FP8Linear)
+    assert attn.kv_b_proj.weight.dtype == torch.float32
+    _, want = greedy(deepseek_fp8 + "-deq")
+    assert outs == want
+    for k in (1, 2):
+        spec, got = greedy(deepseek_fp8, speculative_config=MTPConfig(
+            num_nextn_predict_layers=k))
+        eh_proj = spec.engine.drafter.head.layers[0].eh_proj
+        assert isinstance(eh_proj, FP8Linear)          # the checkpoint's own FP8 MTP layer
+        assert got == outs and spec.stats()["num_draft_tokens"] > 0
+
+
+def test_qwen3_moe_compressed_tensors_per_channel(tmp_path):
+    src = tmp_path / "src"
+    make_qwen3_moe_model(src)
+    path = write_fp8(str(src), str(tmp_path / "ct"), "compressed-channel")
+    llm, outs = greedy(path)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.down_proj.dtype == FP8 and experts.down_proj_scale.shape == (8, 64)
+    _, want = greedy(path + "-deq")
+    assert outs == want
+
+
+# ---- quantization="fp8" and draft_dtype="fp8" ------------------------------------------
+
+def test_quantization_fp8_at_load_and_eagle3_fp8_head(llama_src, tmp_path):
+    """quantization="fp8" makes every decoder linear FP8 per channel; an EAGLE-3 head with
+    draft_dtype="fp8" over it drafts losslessly (greedy = plain decoding of the same FP8
+    target), and the head's linears are FP8 too."""
+    path, hf = llama_src
+    llm, plain = greedy(path, quantization="fp8")
+    model = llm.engine.model
+    assert all(isinstance(getattr(layer.mlp, n), FP8Linear)
+               for layer in model.model.layers for n in ("gate_up_proj", "down_proj"))
+    assert model.model.layers[0].mlp.down_proj.weight_scale.shape == (64,)
+    down = model.model.layers[0].mlp.down_proj
+    w = hf.model.layers[0].mlp.down_proj.weight.detach()
+    err = (down.dequantized(torch.float32) - w).abs().amax(dim=1)
+    assert (err <= w.abs().amax(dim=1) / 16).all() and (err > 0).any()   # e4m3: 3 bits
+    head = str(tmp_path / "head")
+    make_eagle3_head(head, hf, "safeailab", draft_vocab_size=64, seed=3)
+    spec, got = greedy(path, quantization="fp8", speculative_config=Eagle3Config(
+        head, max_draft_len=3, draft_dtype="fp8"))
+    drafter = spec.engine.drafter
+    assert isinstance(drafter.head.fc, FP8Linear) and isinstance(drafter.head.lm_head, FP8Linear)
+    assert drafter.dtype == torch.float32
+    assert got == plain and spec.stats()["num_draft_tokens"] > 0
+
+
+def test_mtp_draft_dtype_fp8_is_lossless(deepseek_fp8):
+    """The dequantized twin's (float32) MTP layer quantized at load by draft_dtype="fp8"."""
+    path = deepseek_fp8 + "-deq"
+    _, plain = greedy(path)
+    spec, got = greedy(path, speculative_config=MTPConfig(num_nextn_predict_layers=2,
+                                                          draft_dtype="fp8"))
+    layer = spec.engine.drafter.head.layers[0]
+    assert isinstance(layer.eh_proj, FP8Linear) and layer.block.mlp.experts.quantized
+    assert got == plain
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+def _edit(path, dst, tensors=None, config=None):
+    shutil.copytree(path, dst)
+    if tensors:
+        file = os.path.join(dst, "model.safetensors")
+        weights = load_file(file)
+        tensors(weights)
+        save_file(weights, file)
+    if config:
+        file = os.path.join(dst, "config.json")
+        cfg = json.load(open(file))
+        config(cfg)
+        json.dump(cfg, open(file, "w"))
+    return str(dst)
+
+
+def test_bad_scale_shapes_and_unsupported_schemes(llama_src, tmp_path):
+    block = write_fp8(llama_src[0], str(tmp_path / "block"), "block")
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+
+    def bad_block(w):
+        w[name] = w[name][:, :2].contiguous()
+    bad = _edit(block, tmp_path / "bad-block", tensors=bad_block)
+    with pytest.raises(ValueError, match=rf"weight scale '{name}' has shape \(4, 2\), "
+                                         r"expected \(4, 5\)"):
+        LLM(bad, dtype="float32", device="cpu")
+    channel = write_fp8(llama_src[0], str(tmp_path / "ch"), "compressed-channel")
+    cname = "model.layers.0.self_attn.k_proj.weight_scale"
+
+    def bad_channel(w):
+        w[cname] = w[cname][:7]
+    bad = _edit(channel, tmp_path / "bad-ch", tensors=bad_channel)
+    with pytest.raises(ValueError, match=rf"weight scale '{cname}' has shape \(7, 1\), "
+                                         r"expected \(32, 1\), \(32,\)"):
+        LLM(bad, dtype="float32", device="cpu")
+
+    def bad_input_scale(w):
+        w["model.layers.0.mlp.up_proj.input_scale"] = torch.ones(3)
+    bad = _edit(channel, tmp_path / "bad-in", tensors=bad_input_scale)
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.input_scale' has shape "
+                                         r"\(3,\), expected one per-tensor value"):
+        LLM(bad, dtype="float32", device="cpu")
+    for edit, message in [
+        (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}),
+         "quant_method 'awq' is not supported; onespec loads 'fp8'"),
+        (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+            type="int"), "type='int', strategy='channel'.* is not supported"),
+        (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+            strategy="group", group_size=128), "strategy='group'.* is not supported"),
+        (lambda c: c.update(quantization_config={"quant_method": "modelopt",
+                                                 "quant_algo": "NVFP4"}),
+         "ModelOpt quant_algo 'NVFP4' is not supported"),
+    ]:
+        bad = _edit(channel, tmp_path / f"bad-{len(os.listdir(tmp_path))}", config=edit)
+        with pytest.raises(ValueError, match=message):
+            LLM(bad, dtype="float32", device="cpu")
+
+
+def test_float8_weights_without_scales_and_option_errors(llama_src, tmp_path):
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def fp8_weight(w):
+        w[name] = w[name].to(FP8)
+    bad = _edit(llama_src[0], tmp_path / "bare", tensors=fp8_weight)
+    with pytest.raises(ValueError, match=rf"'{name}' is stored as float8_e4m3fn, which "
+                                         "onespec does not load here"):
+        LLM(bad, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('fp8',\)"):
+        LLM(llama_src[0], quantization="int8")
+    with pytest.raises(ValueError, match="draft_dtype must be 'auto' or 'fp8' for MTP"):
+        MTPConfig(draft_dtype="bfloat16")
+    with pytest.raises(ValueError, match="FP8 weights .* cannot be combined with "
+                                         "tensor_parallel_size > 1"):
+        LLM(llama_src[0], quantization="fp8", tensor_parallel_size=2)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head, make_hf_model
 from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
 from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
+from onespec.cli import build_llm, check_engine_args, generate_parser
 from onespec.quant.fp8 import FP8, FP8Linear
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(20, 45))]
@@ -223,6 +224,16 @@ def test_quantization_fp8_at_load_and_eagle3_fp8_head(llama_src, tmp_path):
     assert isinstance(drafter.head.fc, FP8Linear) and isinstance(drafter.head.lm_head, FP8Linear)
     assert drafter.dtype == torch.float32
     assert got == plain and spec.stats()["num_draft_tokens"] > 0
+    # the CLI's flags reach the same engine options
+    parser = generate_parser()
+    args = parser.parse_args([path, "--quantization", "fp8", "--draft", head, "--draft-dtype",
+                              "fp8", "--prompt-ids", "1", "--device", "cpu", "--dtype",
+                              "float32"])
+    check_engine_args(parser, args)
+    cli_llm = build_llm(args)
+    assert cli_llm.engine.config.quantization == "fp8"
+    assert cli_llm.engine.spec_config.draft_dtype == "fp8"
+    assert [o.outputs[0].token_ids for o in cli_llm.generate(PROMPTS, GREEDY)] == plain
 
 
 def test_mtp_draft_dtype_fp8_is_lossless(deepseek_fp8):

@@ -322,3 +322,90 @@ def test_float8_weights_without_scales_and_option_errors(llama_src, tmp_path):
     with pytest.raises(ValueError, match="FP8 weights .* cannot be combined with "
                                          "tensor_parallel_size > 1"):
         LLM(llama_src[0], quantization="fp8", tensor_parallel_size=2)
+
+
+# ---- the Triton FP8 GEMV (Triton's interpreter without a GPU) -------------------------------
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("block", [None, BLOCK, (128, 128)])
+@pytest.mark.parametrize("rows,kind", [(1, "plain"), (5, "gated-bias"), (20, "residual"),
+                                       (3, "prenormed")])
+@torch.inference_mode()
+def test_fp8_gemv_matches_the_dequantized_linear(block, rows, kind):
+    """Per-channel and per-block scales (a block past the weight's edges: 128 x 128 on a
+    [48, 80] weight), ragged K and N tiles, 16- and 32-row tiles, against F.linear
+    with the dequantized weight."""
+    pytest.importorskip("triton")
+    from onespec.kernels.fp8_gemv import fp8_gemv
+    from onespec.kernels.gemv import gemv_prenorm
+    from onespec.quant.fp8 import dequantize, quantize
+    torch.manual_seed(0)
+    gated = "gated" in kind
+    n, k = 128 if gated and block == (128, 128) else 48, 80   # gate | up on block edges
+    w = torch.randn(2 * n if gated else n, k, device=DEV) * k ** -0.5
+    q, scale = quantize(w, block)
+    bias = torch.randn(w.shape[0], device=DEV) if "bias" in kind else None
+    x = torch.randn(rows, k, device=DEV)
+    dense = dequantize(q, scale, block, torch.float32)
+    kw = {}
+    if kind == "residual":
+        kw["residual"] = torch.randn(rows, n, device=DEV)
+    if kind == "prenormed":      # rows whose RMSNorm a GEMV before began (kernels/gemv.py)
+        h = torch.randn(rows, 64, device=DEV)
+        norm_w = torch.rand(k, device=DEV) + 0.5
+        h_out, x_in = gemv_prenorm(h, torch.randn(k, 64, device=DEV) * 0.1,
+                                   torch.randn(rows, k, device=DEV), (norm_w, 1e-6))
+        x = F_rms(h_out, norm_w)
+        got = fp8_gemv(x_in, q, scale, block, bias)
+    else:
+        got = fp8_gemv(x, q, scale, block, bias, gated=gated, **kw)
+    ref = torch.nn.functional.linear(x, dense, bias)
+    if gated:
+        gate, up = ref.chunk(2, -1)
+        ref = torch.nn.functional.silu(gate) * up
+    if "residual" in kw:
+        ref = kw["residual"] + ref
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def F_rms(h, weight, eps=1e-6):
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@torch.inference_mode()
+def test_triton_backend_chains_fp8_linears_like_the_portable_path():
+    """A decoder layer's chain of linears through both backends, FP8 where a checkpoint has
+    it: a dense GEMV that begins the next RMSNorm (a Prenormed), the FP8 gate_up that
+    finishes it, the FP8 down projection adding the residual (and its norm), an FP8 draft
+    lm_head's greedy ids with a vocabulary map, and 40 rows (dequantized, then cuBLAS)."""
+    pytest.importorskip("triton")
+    from torch import nn
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.norm import RMSNorm
+    from onespec.layers.ops import TORCH_OPS, make_ops
+    triton_ops = make_ops(KernelSettings(triton=True))
+    torch.manual_seed(0)
+    h_size, inter, vocab = 64, 96, 80
+    o_proj = nn.Linear(h_size, h_size, bias=False)
+    gate_up = FP8Linear.quantized(nn.Linear(h_size, 2 * inter, bias=False), BLOCK)
+    down = FP8Linear.quantized(nn.Linear(inter, h_size, bias=False))
+    lm_head = FP8Linear.quantized(nn.Linear(h_size, vocab, bias=False), BLOCK)
+    norms = [RMSNorm(h_size, 1e-6) for _ in range(2)]
+    for norm in norms:
+        nn.init.uniform_(norm.weight, 0.5, 1.5)
+    offsets = torch.randint(0, 40, (vocab,))
+    for m in (o_proj, gate_up, down, lm_head, *norms):
+        m.to(DEV)
+    for rows in (3, 40):
+        x, residual = torch.randn(rows, h_size, device=DEV), torch.randn(rows, h_size, device=DEV)
+        results = []
+        for ops in (TORCH_OPS, triton_ops):
+            h, xn = ops.add_norm(o_proj, x, residual, norms[0])
+            act = ops.gated(gate_up, xn)
+            h2, x2 = ops.add_full_norm(down, act, h, norms[1])
+            results.append([h, act, h2, x2, ops.logits(lm_head, h2, norms[1]),
+                            ops.greedy(lm_head, h2, norms[1], offsets=offsets)])
+        for ref, got in zip(*results):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -10,8 +10,9 @@
   program at decode sizes (kernels/moe_route.py), then a grouped GEMM over the pairs
   (kernels/moe.py);
 - under autograd: the PyTorch path (TorchOps);
-- FP8 linears and experts (quant/fp8.py): dequantized per call through the PyTorch path
-  (correct everywhere; the FP8 GEMV kernels replace this where they apply).
+- FP8 linears (quant/fp8.py): decode-sized rows through the FP8 GEMV (kernels/fp8_gemv.py,
+  e4m3 weights widened in registers, per-channel or per-block scales), more rows
+  dequantize the weight and take cuBLAS; FP8 experts through the grouped GEMM's FP8 path.
 Attention reads the block pool directly (kernels/attention.py) when the metadata was
 built for it. Each kernel runs with programmatic dependent launch where the GPU has it
 and the settings allow.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from onespec.kernels import attention as attention_kernels
+from onespec.kernels.fp8_gemv import fp8_gemv
 from onespec.kernels.gemv import Prenormed, gemv, gemv_argmax, gemv_prenorm
 from onespec.kernels.launch import pdl_supported
 from onespec.kernels.moe import grouped_experts, sort_pairs
@@ -73,8 +75,14 @@ class TritonOps(TorchOps):
             return super().norm(norm, x, out)
         return rms_norm(x, norm.weight, norm.eps, out, pdl=self.pdl(x.device))
 
+    def _fp8(self, layer: FP8Linear, x, **kw):
+        return fp8_gemv(x, layer.weight, layer.weight_scale, layer.block, layer.bias,
+                        pdl=self.pdl(self._x(x).device), **kw)
+
     def linear(self, layer: nn.Linear, x, residual=None, out_dtype=None):
         if isinstance(layer, FP8Linear):
+            if self.decode_sized(x):
+                return self._fp8(layer, x, residual=residual, out_dtype=out_dtype)
             return super().linear(layer, completed(x), residual, out_dtype)
         if not self.decode_sized(x):
             return super().linear(layer, x, residual, out_dtype)
@@ -83,7 +91,8 @@ class TritonOps(TorchOps):
 
     def gated(self, layer: nn.Linear, x):
         if isinstance(layer, FP8Linear):
-            x = completed(x)
+            if self.decode_sized(x):
+                return self._fp8(layer, x, gated=True)
             return silu_mul(layer(x), pdl=self.pdl(x.device)) if self.rows(x) \
                 else super().gated(layer, x)
         if self.decode_sized(x):
@@ -96,7 +105,7 @@ class TritonOps(TorchOps):
     def add_norm(self, layer: nn.Linear, x, residual, norm: RMSNorm,
                  early_release: bool = False):
         if isinstance(layer, FP8Linear):
-            return self.add_full_norm(layer, completed(x), residual, norm)
+            return self.add_full_norm(layer, x, residual, norm)
         if self.decode_sized(x):
             return gemv_prenorm(x, layer.weight, residual, (norm.weight, norm.eps),
                                 layer.bias, early_release=early_release,
@@ -174,7 +183,12 @@ class TritonOps(TorchOps):
 
     def greedy(self, layer: nn.Linear, x, norm=None, offsets=None):
         if isinstance(layer, FP8Linear):
-            return super().greedy(layer, completed(x), norm, offsets)
+            if not self.decode_sized(x):
+                return super().greedy(layer, x, norm, offsets)
+            if norm is not None:
+                x = self.norm(norm, completed(x))
+            ids = self._fp8(layer, x, out_dtype=torch.float32).argmax(-1)
+            return ids if offsets is None else ids + offsets[ids]
         if not self.decode_sized(x):
             return super().greedy(layer, x, norm, offsets)
         if norm is not None:

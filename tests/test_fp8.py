@@ -409,3 +409,30 @@ def test_triton_backend_chains_fp8_linears_like_the_portable_path():
                             ops.greedy(lm_head, h2, norms[1], offsets=offsets)])
         for ref, got in zip(*results):
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block", [None, BLOCK])
+@pytest.mark.parametrize("tokens", [1, 20])
+@torch.inference_mode()
+def test_fp8_grouped_experts_match_the_portable_path(block, tokens):
+    """The grouped GEMM over FP8 experts (per-row or per-block scales; 16-pair tiles once
+    and twice) against Experts.portable, which dequantizes the experts it gathers."""
+    pytest.importorskip("triton")
+    from onespec.kernels.moe import grouped_experts, sort_pairs
+    from onespec.models.moe import Experts
+    from onespec.quant.fp8 import quantize_experts
+    torch.manual_seed(0)
+    num_experts, hidden, inter, top_k = 6, 64, 48, 2
+    experts = Experts(num_experts, hidden, inter)
+    torch.nn.init.normal_(experts.gate_up_proj, 0, hidden ** -0.5)
+    torch.nn.init.normal_(experts.down_proj, 0, inter ** -0.5)
+    quantize_experts(experts, block)
+    experts.to(DEV)
+    assert experts.quantized and experts.down_proj.dtype == FP8
+    x = torch.randn(tokens, hidden, device=DEV)
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).to(DEV)
+    weights = torch.rand(tokens, top_k, device=DEV)
+    got = grouped_experts(x, experts.gate_up_proj, experts.down_proj,
+                          sort_pairs(ids, weights, num_experts), None,
+                          (experts.gate_up_proj_scale, experts.down_proj_scale), block)
+    torch.testing.assert_close(got, experts.portable(x, ids, weights), atol=1e-4, rtol=1e-4)

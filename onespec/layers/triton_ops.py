@@ -170,8 +170,10 @@ class TritonOps(TorchOps):
                                      scaling=router.scaling)
         else:
             routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
-        return grouped_experts(x, experts.weight("gate_up_proj"), experts.weight("down_proj"),
-                               routing, residual)
+        scales = (experts.gate_up_proj_scale, experts.down_proj_scale) \
+            if experts.quantized else None
+        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing, residual,
+                               scales, experts.block)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):

@@ -343,7 +343,7 @@ def test_fp8_gemv_matches_the_dequantized_linear(block, rows, kind):
     from onespec.quant.fp8 import dequantize, quantize
     torch.manual_seed(0)
     gated = "gated" in kind
-    n, k = 128 if gated and block == (128, 128) else 48, 80   # gate | up on block edges
+    n, k = 40, 80          # (gate | up meets inside a block row of 16 and of 128)
     w = torch.randn(2 * n if gated else n, k, device=DEV) * k ** -0.5
     q, scale = quantize(w, block)
     bias = torch.randn(w.shape[0], device=DEV) if "bias" in kind else None
@@ -436,3 +436,29 @@ def test_fp8_grouped_experts_match_the_portable_path(block, tokens):
                           sort_pairs(ids, weights, num_experts), None,
                           (experts.gate_up_proj_scale, experts.down_proj_scale), block)
     torch.testing.assert_close(got, experts.portable(x, ids, weights), atol=1e-4, rtol=1e-4)
+
+
+def test_bench_floor_counts_fp8_bytes(tmp_path):
+    """`onespec bench --quantization fp8-block` on an MLA + MoE shape: random weights in
+    DeepSeek-V3's layout (block-FP8 experts and attention, an FP8 MTP layer), and a step
+    floor that counts their bytes: below the unquantized engine's."""
+    from onespec.bench.decode import declare_quantization, parse_args
+    from onespec.bench.models import step_floor_parts, write_model_dirs
+    args = parse_args(["--shape", "tiny-mla", "--quantization", "fp8-block",
+                       "--draft-dtype", "fp8"])
+    assert args.quantization == "fp8-block"
+    floors = {}
+    for quant in (None, "fp8-block"):
+        target, _ = write_model_dirs("tiny-mla", str(tmp_path / str(quant)))
+        declare_quantization(target, quant)
+        llm = LLM(target, load_format="dummy", device="cpu", dtype="bfloat16",
+                  speculative_config=MTPConfig(num_nextn_predict_layers=1))
+        engine = llm.engine
+        floors[quant] = sum(step_floor_parts(engine, 1, 1, 0.0).values())
+        layer = engine.model.model.layers[1]
+        mtp = engine.drafter.head.layers[0].block
+        assert (layer.mlp.experts.block == (128, 128)) == (quant is not None)
+        assert isinstance(layer.self_attn.o_proj, FP8Linear) == (quant is not None)
+        assert mtp.mlp.experts.quantized == (quant is not None)
+        llm.close()
+    assert floors["fp8-block"] < 0.75 * floors[None]        # bf16 weights -> 1-byte e4m3

@@ -121,9 +121,9 @@ def fp8_gemv(x: torch.Tensor | Prenormed, weight: torch.Tensor, scale: torch.Ten
     block_n, block_k, warps, stages = tiling or TILING
     if block is not None:
         block_k = min(block_k, block[1])
-        if block[1] % block_k or (gated and n % block[0]):
-            raise ValueError(f"fp8_gemv: scale blocks {block} need BLOCK_K {block_k} to divide "
-                             f"their columns (and gate / up to split on block rows)")
+        if block[1] % block_k:
+            raise ValueError(f"fp8_gemv: scale blocks {block} need BLOCK_K {block_k} to "
+                             "divide their columns")
         expected = (triton.cdiv(rows, block[0]), triton.cdiv(k, block[1]))
     else:
         expected = (rows,)

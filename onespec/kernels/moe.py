@@ -201,9 +201,9 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
                  BO=block[0] if block else 1, BI=block[1] if block else 1)
     if block is not None:
         block_k = min(block_k, block[1])
-        if block[1] % block_k or inter % block[0]:
+        if block[1] % block_k:
             raise ValueError(f"grouped_experts: scale blocks {block} need BLOCK_K {block_k} "
-                             f"to divide their columns and gate / up to split on block rows")
+                             "to divide their columns")
     sn = (lambda s: s.stride(1)) if block else (lambda s: 0)      # noqa: E731
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
         x, gate_up, routing.pair_token, routing.offsets, h, s_gu, hidden, inter,

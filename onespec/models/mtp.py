@@ -114,7 +114,8 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
                          f"{num_layers} were asked for (MTP-Eagle needs 1, vanilla MTP one "
                          "per draft)")
     rename = _mtp_rename(cfg.num_hidden_layers, num_layers)
-    scheme = None if dummy else fp8.checkpoint_scheme(read_config(path), path)
+    declared = fp8.checkpoint_scheme(read_config(path), path)
+    scheme = None if dummy else declared
     weights = ((n, t) for raw, t in iter_weights(path, "loading MTP layers")
                if (n := rename(raw)) is not None)
     if parallel is not None:    # copied: no slice keeps a whole checkpoint tensor alive
@@ -147,8 +148,8 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
         if scheme is not None:
             items = fp8.checked_activation_scales(items, what)
         load_weights(head, items, rename=load_rename, what=what)
-    if quantize:
-        fp8.quantize_model(head, skip=("head",))
+    if quantize or (dummy and declared is not None):     # (random weights: its layout)
+        fp8.quantize_model(head, skip=("head",), block=declared.block if declared else None)
     head = head.to(device=device, dtype=dtype).eval()
     fp8.dequantize_direct_reads(head)
     return head

@@ -73,10 +73,12 @@ def load_target(path: str, device, dtype, dummy: bool = False,
     (classes without Triton kernels, `supports_triton = False`, take the portable path);
     `parallel` (a distributed.TensorParallel): this rank's shards only. An FP8 checkpoint
     (quant/fp8.py) loads as it is quantized; quantization="fp8" quantizes any other one per
-    output channel as it loads (its lm_head and embedding stay in `dtype`)."""
+    output channel as it loads (its lm_head and embedding stay in `dtype`). Random weights
+    (`dummy`) of an FP8 config are quantized in its layout (its blocks, else per channel)."""
     raw = read_config(path)
     cls = target_class(raw)
-    scheme = None if dummy else fp8.checkpoint_scheme(raw, path)
+    declared = fp8.checkpoint_scheme(raw, path)
+    scheme = None if dummy else declared
     cfg = cls.config_class.from_hf(raw)
     bad_eos = [t for t in cfg.eos_token_ids if t >= cfg.vocab_size]
     if bad_eos:
@@ -91,7 +93,7 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         fp8.prepare_for_checkpoint(model, scheme, checkpoint_keys(path), rename, path)
         rename = fp8.scale_rename(scheme, rename)
     num_bytes = fp8.quantized_bytes(model, dtype)
-    if quantization == "fp8" and scheme is None:
+    if (quantization == "fp8" or declared is not None) and scheme is None:
         num_bytes = _fp8_bytes(model, dtype)
     require_bytes(num_bytes, torch.device(device), f"{raw.source}: loading the model's weights in "
                   f"{str(dtype).removeprefix('torch.')} (hidden_size={cfg.hidden_size}, "
@@ -101,8 +103,8 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
-        if quantization == "fp8":
-            fp8.quantize_model(model)
+        if quantization == "fp8" or declared is not None:
+            fp8.quantize_model(model, block=declared.block if declared else None)
         return _fused(model.to(dtype=dtype).eval(), parallel)
     weights = iter_weights(path)
     if parallel is not None:        # each tensor sliced to this rank's part as it streams

@@ -224,6 +224,12 @@ def test_quantization_fp8_at_load_and_eagle3_fp8_head(llama_src, tmp_path):
     assert isinstance(drafter.head.fc, FP8Linear) and isinstance(drafter.head.lm_head, FP8Linear)
     assert drafter.dtype == torch.float32
     assert got == plain and spec.stats()["num_draft_tokens"] > 0
+    # a head published in the block-FP8 layout loads FP8 and drafts the same tokens
+    fp8_head = write_fp8(head, str(tmp_path / "fp8-head"), "block")
+    spec, got = greedy(path, quantization="fp8", speculative_config=Eagle3Config(
+        fp8_head, max_draft_len=3))
+    assert isinstance(spec.engine.drafter.head.layers[0].self_attn.qkv_proj, FP8Linear)
+    assert got == plain
     # the CLI's flags reach the same engine options
     parser = generate_parser()
     args = parser.parse_args([path, "--quantization", "fp8", "--draft", head, "--draft-dtype",
@@ -462,3 +468,30 @@ def test_bench_floor_counts_fp8_bytes(tmp_path):
         assert mtp.mlp.experts.quantized == (quant is not None)
         llm.close()
     assert floors["fp8-block"] < 0.75 * floors[None]        # bf16 weights -> 1-byte e4m3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["llama-eagle3", "deepseek-mtp"])
+def test_fp8_on_triton_in_cuda_graphs_matches_the_portable_path(llama_src, deepseek_fp8,
+                                                                tmp_path, which):
+    """On a GPU: FP8 targets and drafters on the Triton backend (FP8 GEMV, FP8 grouped
+    experts) with CUDA graphs give the portable path's greedy tokens (float32), and
+    speculation stays lossless there."""
+    if which == "llama-eagle3":
+        path = write_fp8(llama_src[0], str(tmp_path / "block"), "block")
+        head = str(tmp_path / "head")
+        make_eagle3_head(head, llama_src[1], "safeailab", draft_vocab_size=64, seed=3)
+        spec = Eagle3Config(head, max_draft_len=3, draft_dtype="fp8")
+    else:
+        path, spec = deepseek_fp8, MTPConfig(num_nextn_predict_layers=2)
+    runs = {}
+    for backend in ("torch", "triton"):
+        for drafting in (None, spec):
+            llm = LLM(path, device="cuda", dtype="float32", attention_backend=backend,
+                      speculative_config=drafting, max_batch_size=8)
+            outs = llm.generate(PROMPTS, GREEDY)
+            assert_pool_full(llm)
+            runs[backend, drafting is not None] = [o.outputs[0].token_ids for o in outs]
+            llm.close()
+    assert len({str(v) for v in runs.values()}) == 1, runs

@@ -73,8 +73,7 @@ class Engine:
         raw = read_config(config.model)
         target_cls = target_class(raw) \
             if config.attention_backend == "triton" else None     # (its tree masks)
-        fp8_checkpoint = config.load_format != "dummy" and \
-            checkpoint_scheme(raw, config.model) is not None
+        fp8_checkpoint = checkpoint_scheme(raw, config.model) is not None
         self.features = spec_features(speculative_config) | \
             engine_features(config, target_cls, fp8_checkpoint=fp8_checkpoint)
         check_combinations(self.features)

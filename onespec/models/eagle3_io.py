@@ -23,8 +23,10 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     """The head at `path` for a target of config `target`, built with the backend `ops`;
     `quantize` (draft_dtype="fp8"): its linears, lm_head included, as e4m3 weights per
     output channel (quant/fp8.py), computing in `dtype`."""
-    cfg = Eagle3HeadConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    cfg = Eagle3HeadConfig.from_hf(raw)
     what = f"EAGLE-3 head {path!r}"
+    scheme = None if dummy else fp8.checkpoint_scheme(raw, path)    # an FP8 head
     if cfg.target_hidden_size != target.hidden_size:
         raise ValueError(f"{what} was trained for target hidden size {cfg.target_hidden_size}, "
                          f"but the target has hidden_size {target.hidden_size}")
@@ -63,7 +65,12 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         if "t2d" in maps:
             head.t2d.copy_(maps["t2d"].bool())
     rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n)
-    load_weights(head, weights.items(), rename=rename, what=what)
+    items = weights.items()
+    if scheme is not None:
+        fp8.prepare_for_checkpoint(head, scheme, list(weights), rename, what)   # (on the CPU)
+        rename = fp8.scale_rename(scheme, rename)
+        items = fp8.checked_activation_scales(items, what)
+    load_weights(head, items, rename=rename, what=what)
     if quantize:        # on the CPU, before the move
         fp8.quantize_model(head, skip=())
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs

@@ -109,6 +109,13 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the target's linears and experts to e4m3 per output "
+                        "channel at load (an FP8 checkpoint loads as it is without it)")
+    p.add_argument("--draft-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8"],
+                   help="the drafter's weights (--draft's head; --mtp's layers: auto or "
+                        "fp8); fp8: e4m3 per output channel (default: the target's)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's limit)")
     p.add_argument("--max-num-tokens", type=int, default=2048, help="tokens per engine step")
@@ -169,7 +176,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args):
                                 ("--tree-nodes", args.tree_nodes),
                                 ("--sa-enhancer", args.sa_enhancer),
                                 ("--draft-len-schedule", args.draft_len_schedule),
-                                ("--rejection-sampling", args.rejection_sampling or None))
+                                ("--rejection-sampling", args.rejection_sampling or None),
+                                ("--draft-dtype",
+                                 None if args.draft_dtype == "auto" else args.draft_dtype))
                  if v is not None]
         if given:
             parser.error(f"--speculative-config holds every drafting option: pass {given[0]} "
@@ -180,6 +189,8 @@ def check_engine_args(parser: argparse.ArgumentParser, args):
             (args.draft_len_schedule is not None or args.rejection_sampling):
         parser.error("--draft-len-schedule and --rejection-sampling shape speculative "
                      "decoding: pass a drafter (--draft, --mtp or --ngram)")
+    if args.draft is None and args.mtp is None and args.draft_dtype != "auto":
+        parser.error("--draft-dtype sets the drafter's weights: pass --draft or --mtp too")
     if args.draft is None and (args.tree_topk is not None or args.tree_nodes is not None):
         parser.error("--tree-topk and --tree-nodes shape the EAGLE-3 head's tree: they need "
                      "--draft")
@@ -263,14 +274,17 @@ def build_llm(args):
                     use_rejection_sampling=args.rejection_sampling)
     tree = dict(use_dynamic_tree=True, dynamic_tree_max_topK=args.tree_topk,
                 max_total_draft_tokens=args.tree_nodes) if args.tree_topk is not None else {}
-    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree, **drafting) \
-        if draft else \
-        MTPConfig(num_nextn_predict_layers=args.mtp, **sa, **drafting) if args.mtp else \
+    head_dtype = dict(draft_dtype=args.draft_dtype)
+    spec = Eagle3Config(draft, max_draft_len=args.k or DEFAULT_K, **sa, **tree, **drafting,
+                        **head_dtype) if draft else \
+        MTPConfig(num_nextn_predict_layers=args.mtp, **sa, **drafting, **head_dtype) \
+        if args.mtp else \
         NGramConfig(max_draft_len=args.ngram, **drafting) if args.ngram else \
         speculative_dict(args.speculative_config)
     import torch
     try:
         return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
+                   quantization=args.quantization,
                    max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                    max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                    enable_prefix_caching=args.enable_prefix_caching,

@@ -32,6 +32,7 @@ GRAMMAR = "structured_outputs"
 TP = "tensor_parallel_size > 1"
 SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
+FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ REFUSED = (
     Refusal(AUTO, TP, "its start-up timing runs on one rank; give a {batch_size: K} dict or "
                       "None"),
     Refusal(GRAMMAR, TP, "grammar masks are applied on one rank"),
+    Refusal(FP8_WEIGHTS, TP, "FP8 weights are loaded on one rank"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
@@ -95,9 +97,13 @@ def spec_features(sc) -> set[str]:
     return on
 
 
-def engine_features(engine_config, target_cls=None, sliding_window=None) -> set[str]:
-    """The features of the engine's options and of the target (its class and window)."""
+def engine_features(engine_config, target_cls=None, sliding_window=None,
+                    fp8_checkpoint: bool = False) -> set[str]:
+    """The features of the engine's options and of the target (its class, its window,
+    whether its checkpoint is FP8)."""
     on = set()
+    if getattr(engine_config, "quantization", None) is not None or fp8_checkpoint:
+        on.add(FP8_WEIGHTS)
     if engine_config.tensor_parallel_size > 1:
         on.add(TP)
     if sliding_window is not None:

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from onespec.combinations import check_combinations, spec_features
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# what weights may be quantized to at load (quant/fp8.py): None keeps the checkpoint's
+QUANTIZATIONS = ("fp8",)
+# a drafter's weights: a dtype, or "fp8" (e4m3 weights per output channel, computing in
+# the target's dtype)
+DRAFT_DTYPES = DTYPES + ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
 AUTO_DRAFT_LEN = "auto"      # draft_len_schedule chosen per step by the cost model
 
@@ -59,6 +64,9 @@ class EngineConfig:
     # attention data-parallel over the tensor-parallel ranks (TensorRT-LLM's name): not
     # built; True is refused with what is missing (docs/SCALING.md)
     enable_attention_dp: bool = False
+    # "fp8": quantize a bf16/fp32 checkpoint's linears and experts to e4m3 per output
+    # channel at load (an FP8 checkpoint loads as it is quantized either way)
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -70,6 +78,9 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("seed", self.seed, 0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -230,7 +241,7 @@ class Eagle3Config(SpeculativeConfig):
     draft_model: str
     max_draft_len: int = 3
     layers_to_capture: tuple[int, ...] | None = None   # outputs-of layer ids; None = head/default
-    draft_dtype: str = "auto"                          # head precision; auto = the target's
+    draft_dtype: str = "auto"      # head precision; auto = the target's; "fp8": e4m3 weights
     # dynamic tree (docs/DECODING.md, "dynamic trees"): max_draft_len is the tree's depth
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = 4                     # frontier width and children per node
@@ -247,8 +258,9 @@ class Eagle3Config(SpeculativeConfig):
                 raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
                                  f"got {self.layers_to_capture!r}")
         _check_bools(self, "use_dynamic_tree")
-        if self.draft_dtype not in DTYPES:
-            raise ValueError(f"draft_dtype must be one of {DTYPES}, got {self.draft_dtype!r}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, "
+                             f"got {self.draft_dtype!r}")
 
 
 @dataclass
@@ -256,6 +268,7 @@ class MTPConfig(SpeculativeConfig):
     """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP")."""
     num_nextn_predict_layers: int = 1      # K: drafts per step
     use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
+    draft_dtype: str = "auto"              # "auto": as the checkpoint; "fp8": e4m3 weights
 
     @property
     def max_draft_len(self) -> int:
@@ -269,6 +282,9 @@ class MTPConfig(SpeculativeConfig):
     def _check_own(self):
         _check_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 1, 32)
         _check_bools(self, "use_mtp_vanilla")
+        if self.draft_dtype not in ("auto", "fp8"):
+            raise ValueError(f"draft_dtype must be 'auto' or 'fp8' for MTP layers (they run "
+                             f"in the target's dtype), got {self.draft_dtype!r}")
 
 
 @dataclass

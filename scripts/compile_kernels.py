@@ -107,6 +107,21 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
            (4, 1))
+    from onespec.kernels import fp8_gemv as f8
+    bn, bk, warps, stages = f8.TILING
+    f8_types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "BIAS": "*bf16", "RES": "*bf16",
+                "Y": "*bf16", "SS_IN": "*fp32", "eps": "fp32"}
+    f8_cfg = {"BO": 1, "BI": 1, "BLOCKED": False, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_P": 1,
+              "HAS_BIAS": False, "GATED": False, "RESIDUAL": False, "PRENORMED": False,
+              "IEEE": False, "PDL": pdl, "ROWS": 16}
+    yield ("fp8 gemv per channel, residual", f8._fp8_gemv_kernel, f8_types,
+           {**f8_cfg, "RESIDUAL": True}, (warps, stages))
+    yield ("fp8 gemv per 128 x 128 block, prenormed + gated", f8._fp8_gemv_kernel, f8_types,
+           {**f8_cfg, "BO": 128, "BI": 128, "BLOCKED": True, "GATED": True,
+            "PRENORMED": True, "BLOCK_P": 128}, (warps, stages))
+    yield ("fp8 gemv per block, 32-row tile, fp32 logits", f8._fp8_gemv_kernel,
+           {**f8_types, "Y": "*fp32"},
+           {**f8_cfg, "BO": 128, "BI": 128, "BLOCKED": True, "ROWS": 32}, (warps, stages))
     yield ("gemv float32 (tests)", gv._gemv_kernel,
            {**{n: "*fp32" for n in ptrs if n.isupper()}, "ARG_IDX": "*i32", "eps": "fp32"},
            {**linear, "BLOCK_N": gated_cfg[0], "BLOCK_K": gated_cfg[1], "GATED": True,
@@ -201,13 +216,24 @@ def moe_cases():
            {"NOPE": 128, "RANK": 512, "R_PAD": 512, "HALF": 32, "HALF_PAD": 32,
             "BLOCK_H": mla.BLOCK_H, "INTERLEAVE": True}, (4, 1))
     bn, bk, warps, stages = moe.TILING
-    tiles = {"BLOCK_M": moe.BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk, "IEEE": False}
-    yield ("moe gate_up + silu (grouped)", moe._gate_up_kernel,
-           {"X": "*bf16", "W": "*bf16", "PAIR_TOKEN": "*i32", "OFFSETS": "*i32",
-            "H_OUT": "*bf16"}, tiles, (warps, stages))
-    yield ("moe down, weighted (grouped)", moe._down_kernel,
-           {"H": "*bf16", "W": "*bf16", "PAIR_SLOT": "*i32", "PAIR_WEIGHT": "*fp32",
-            "OFFSETS": "*i32", "Y": "*fp32"}, tiles, (warps, stages))
+    tiles = {"BLOCK_M": moe.BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk, "IEEE": False,
+             "SCALED": 0, "BO": 1, "BI": 1}
+    gate_up_types = {"X": "*bf16", "W": "*bf16", "PAIR_TOKEN": "*i32", "OFFSETS": "*i32",
+                     "H_OUT": "*bf16", "S": "*bf16"}
+    down_types = {"H": "*bf16", "W": "*bf16", "PAIR_SLOT": "*i32", "PAIR_WEIGHT": "*fp32",
+                  "OFFSETS": "*i32", "Y": "*fp32", "S": "*bf16"}
+    yield ("moe gate_up + silu (grouped)", moe._gate_up_kernel, gate_up_types, tiles,
+           (warps, stages))
+    yield ("moe down, weighted (grouped)", moe._down_kernel, down_types, tiles,
+           (warps, stages))
+    fp8 = {"W": "*fp8e4nv", "S": "*fp32"}
+    blocked = {**tiles, "SCALED": 2, "BO": 128, "BI": 128}
+    yield ("moe gate_up + silu, FP8 experts per 128 x 128 block", moe._gate_up_kernel,
+           {**gate_up_types, **fp8}, blocked, (warps, stages))
+    yield ("moe down, FP8 experts per 128 x 128 block", moe._down_kernel,
+           {**down_types, **fp8}, blocked, (warps, stages))
+    yield ("moe gate_up + silu, FP8 experts per row", moe._gate_up_kernel,
+           {**gate_up_types, **fp8}, {**tiles, "SCALED": 1}, (warps, stages))
     route_types = {"LOGITS": "*fp32", "BIAS": "*fp32", "IDS": "*i32", "WEIGHTS": "*fp32",
                    "SLOTS": "*i32", "PAIR_TOKEN": "*i32", "PAIR_WEIGHT": "*fp32",
                    "OFFSETS": "*i32", "scaling": "fp32"}

@@ -12,6 +12,11 @@ transformers) takes minutes even with --shape tiny. A short run, in seconds on a
   onespec bench --shape tiny --device cpu --batch-sizes 1 --ks 3 --acceptance max \\
       --gen-len 16 --trials 1 --no-hf
 
+FP8 weights (the floor counts their bytes): `--quantization fp8` quantizes the target per
+output channel (LLM(quantization="fp8")), `fp8-block` gives it DeepSeek-V3's layout
+(e4m3 per 128 x 128 block, experts and attention too), `--draft-dtype fp8` the head's:
+  onespec bench --shape deepseek-v2-lite --quantization fp8-block --ks 0,1 --no-hf
+
 Plain, every K and auto at the bundled pair's measured acceptance curve, plotted:
   onespec bench --ks 0,1,2,3,4,5,auto --acceptance-rates 0.70,0.57,0.45,0.38,0.31 \\
       --no-hf --plot auto.png
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -39,6 +45,10 @@ from onespec.speculative.cost_model import expected_tokens
 from onespec.speculative.shape import ChainShape, TreeShape
 
 MAX_ACCEPTANCE = "max"           # --acceptance item meaning K + 1 (every draft accepted)
+# --quantization -> the target's quantization_config (None: LLM(quantization=...) instead)
+QUANTIZATIONS = {"fp8": None,
+                 "fp8-block": {"quant_method": "fp8", "fmt": "e4m3",
+                               "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
 MIN_STEP_TOKENS = 2048         # engine max_num_tokens (prefill chunk budget) at least
 AUTO_MAX_DRAFT_LEN = 5         # auto's max_draft_len when --ks names no K > 0
 AUTO_WARMUP_STEPS = 32         # untimed steps before timing auto (its estimates settle)
@@ -75,6 +85,12 @@ def parse_args(argv):
                    choices=["cuda", "cpu"], help="where to run")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="target weights: fp8 = e4m3 per output channel, fp8-block = e4m3 "
+                        "per 128 x 128 block (an FP8 checkpoint's layout, experts included)")
+    p.add_argument("--draft-dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32", "fp8"],
+                   help="the head's weights (MTP: auto or fp8); fp8: e4m3 per output channel")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers generate on the same shape")
     p.add_argument("--hf-runs", default="static:1,dynamic:32",
@@ -200,13 +216,16 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     spec = None
     sa = getattr(args, "sa_enhancer", None)
     sa = dict(use_sa_enhancer=True, sa_min_match_len=sa) if sa else {}
+    draft = dict(draft_dtype=getattr(args, "draft_dtype", "auto"))
     if k_max and head_dir is None:
-        spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa)
+        spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa, **draft)
     elif k_max:
         trees = dict(use_dynamic_tree=True, dynamic_tree_max_topK=tree[1],
                      max_total_draft_tokens=tree[2]) if tree else {}
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees)
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees, **draft)
+    quantization = "fp8" if getattr(args, "quantization", None) == "fp8" else None
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
+               quantization=quantization,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * shape.verify_rows(k_max)),
                block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
@@ -328,7 +347,9 @@ def _significant(x, digits: int = 5):
 
 def make_emitter(args, model_label: str, device_name: str, rows: list | None = None):
     """emit(row): one JSON line to stdout (and --out); `rows` collects what was emitted."""
-    head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype}
+    head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype,
+            "quantization": getattr(args, "quantization", None),
+            "draft_dtype": getattr(args, "draft_dtype", "auto")}
 
     def emit(row: dict):
         row = {k: _significant(v) for k, v in {**head, **row, "device": device_name}.items()}
@@ -378,6 +399,8 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
     fixed, auto = draft_configs(args)
     with tempfile.TemporaryDirectory(prefix="onespec-bench-") as root:
         target_dir, head_dir = write_model_dirs(args.shape, root)
+        declare_quantization(target_dir, args.quantization)
+
         def per_batch(drafts):
             return [(b, d) for b in args.batch_sizes for d in drafts]
         phases = [(0, False, per_batch([Draft(0, 1.0)]), None)]
@@ -400,6 +423,20 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
             run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best)
             del llm
             release_memory(args.device)
+
+
+def declare_quantization(target_dir: str, quantization: str | None):
+    """Writes --quantization's quantization_config (if it has one) into the target's
+    config.json: random weights then load in that FP8 layout."""
+    declared = QUANTIZATIONS.get(quantization) if quantization else None
+    if declared is None:
+        return
+    file = os.path.join(target_dir, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = declared
+    with open(file, "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ from onespec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from onespec.engine.stats import SpecStats
 from onespec.models.loader import read_config
 from onespec.models.registry import load_tokenizer, target_class
+from onespec.quant.fp8 import checkpoint_scheme
 from onespec.sampling_params import SamplingParams
 from onespec.speculative.draft_len import SpeculationGate, draft_len_for_batch
 from onespec.speculative.host_drafts import (NGramDrafter, automaton_matched, host_span,
@@ -71,9 +72,12 @@ class Engine:
         self.config, self.spec_config = config, speculative_config
         # the features in play, their pairs checked once (combinations.py) before any rank
         # starts; the target's own (its window) are added once its config is read
-        target_cls = target_class(read_config(config.model)) \
+        raw = read_config(config.model)
+        target_cls = target_class(raw) \
             if config.attention_backend == "triton" else None     # (its tree masks)
-        self.features = spec_features(speculative_config) | engine_features(config, target_cls)
+        fp8_checkpoint = checkpoint_scheme(raw, config.model) is not None
+        self.features = spec_features(speculative_config) | \
+            engine_features(config, target_cls, fp8_checkpoint=fp8_checkpoint)
         check_combinations(self.features)
         self.ranks = start_ranks(config, speculative_config, self.features)
         self.parallel = self.ranks.group if self.ranks else parallel

@@ -10,6 +10,7 @@ import torch
 
 from onespec.engine.prefix_cache import CachedBlock, PrefixCache
 from onespec.engine.request import Request
+from onespec.quant.fp8 import linear_dtype
 
 
 class BlockPool:
@@ -108,7 +109,7 @@ def kv_bytes_per_block(attn_layers, block_size: int) -> int:
     """A layer may define cache_bytes_per_token() (e.g. MLA's latent cache); otherwise it
     holds k_cache and v_cache of [slots, Hkv, D]."""
     return sum(block_size * (a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token")
-                             else 2 * a.num_kv_heads * a.head_dim * a.o_proj.weight.element_size())
+                             else 2 * a.num_kv_heads * a.head_dim * linear_dtype(a.o_proj).itemsize)
                for a in attn_layers)
 
 
@@ -125,7 +126,8 @@ def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
         if hasattr(a, "allocate_cache"):
             a.allocate_cache(slots, device)
         else:
-            groups.setdefault((a.num_kv_heads, a.head_dim, a.o_proj.weight.dtype), []).append(a)
+            groups.setdefault((a.num_kv_heads, a.head_dim, linear_dtype(a.o_proj)),
+                              []).append(a)
     for (heads, dim, dtype), layers in groups.items():
         pool = zeros_on_write((2, len(layers), slots, heads, dim), dtype, device)
         for i, a in enumerate(layers):

@@ -119,13 +119,15 @@ class _Builder:
 
     def load_target(self):
         return load_target(self.config.model, self.device, self.dtype,
-                           self.config.load_format == "dummy", self.ops, self.parallel)
+                           self.config.load_format == "dummy", self.ops, self.parallel,
+                           quantization=self.config.quantization)
 
     def load_drafter(self, model) -> Eagle3Drafter | MTPDrafter:
         sc, dummy = self.sc, self.config.load_format == "dummy"
         if isinstance(sc, MTPConfig):
             head = load_mtp_head(self.config.model, model, sc.num_mtp_layers, self.device,
-                                 self.dtype, dummy=dummy, parallel=self.parallel)
+                                 self.dtype, dummy=dummy, parallel=self.parallel,
+                                 quantize=sc.draft_dtype == "fp8")
             return MTPDrafter(head, model, vanilla=sc.use_mtp_vanilla)
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = model.config.num_hidden_layers
@@ -139,9 +141,11 @@ class _Builder:
         if bad:
             raise ValueError(f"capture layers {capture} fall outside the target's {num_layers} "
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
-        draft_dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
+        draft_dtype = self.dtype if sc.draft_dtype in ("auto", "fp8") \
+            else getattr(torch, sc.draft_dtype)
         head = load_eagle3_head(sc.draft_model, model.config, len(capture), self.device,
-                                draft_dtype, dummy=dummy, ops=self.ops)
+                                draft_dtype, dummy=dummy, ops=self.ops,
+                                quantize=sc.draft_dtype == "fp8")
         return Eagle3Drafter(head.eval(), model, tuple(capture))
 
     def num_kv_blocks(self, attn_layers, blocks_per_seq: int, max_model_len: int) -> int:

@@ -13,6 +13,10 @@ A program walks its expert's pairs in tiles of BLOCK_M, so an expert's weight ti
 read once per BLOCK_M pairs (once per step at decode batch sizes). y is written at each
 pair's place in the unsorted [T, top_k] order and summed over top_k in float32, in the
 same order for every token: a token's result never depends on the rest of the batch.
+
+FP8 experts (quant/fp8.py: e4m3 weights with float32 scales per row or per (bo, bi) block)
+are read as e4m3 and widened in registers: a per-row scale multiplies the finished dot
+products, a block's scale each BLOCK_K-wide partial product (BLOCK_K divides bi).
 """
 from __future__ import annotations
 
@@ -31,16 +35,28 @@ TILING = (64, 64, 4, 3)
 
 
 @triton.jit
-def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, hidden, inter,
-                    stride_xt, stride_we, stride_wn, stride_ht,
+def _scaled(part, S, n, n_ok, k0, stride_sn, SCALED: tl.constexpr, BO: tl.constexpr,
+            BI: tl.constexpr):
+    """A BLOCK_K-wide partial product times its rows' block scales (SCALED == 2)."""
+    if SCALED == 2:
+        part = part * tl.load(S + (n // BO) * stride_sn + k0 // BI, mask=n_ok,
+                              other=0.0)[None, :]
+    return part
+
+
+@triton.jit
+def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, S, hidden, inter,
+                    stride_xt, stride_we, stride_wn, stride_ht, stride_se, stride_sn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, SCALED: tl.constexpr, BO: tl.constexpr,
+                    BI: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     start = tl.load(OFFSETS + e)
     end = tl.load(OFFSETS + e + 1)
     w_base = W + e.to(tl.int64) * stride_we
+    s_base = S + e.to(tl.int64) * stride_se
     for m0 in range(start, end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
         m_ok = m < end
@@ -56,24 +72,31 @@ def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, hidden, inter,
             w_g = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
             w_u = tl.load(w_base + (n + inter)[:, None] * stride_wn + k[None, :], mask=w_mask,
                           other=0.0)
-            acc_g += dot_t(x, w_g, IEEE)
-            acc_u += dot_t(x, w_u, IEEE)
+            acc_g += _scaled(dot_t(x, w_g.to(x.dtype), IEEE), s_base, n, n_ok, k0,
+                             stride_sn, SCALED, BO, BI)
+            acc_u += _scaled(dot_t(x, w_u.to(x.dtype), IEEE), s_base, n + inter, n_ok, k0,
+                             stride_sn, SCALED, BO, BI)
+        if SCALED == 1:
+            acc_g = acc_g * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
+            acc_u = acc_u * tl.load(s_base + inter + n, mask=n_ok, other=0.0)[None, :]
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(H_OUT + m[:, None].to(tl.int64) * stride_ht + n[None, :],
                  h.to(H_OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
-                 stride_ht, stride_we, stride_wn, stride_yt,
+def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, S, hidden, inter,
+                 stride_ht, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, SCALED: tl.constexpr, BO: tl.constexpr,
+                 BI: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     start = tl.load(OFFSETS + e)
     end = tl.load(OFFSETS + e + 1)
     w_base = W + e.to(tl.int64) * stride_we
+    s_base = S + e.to(tl.int64) * stride_se
     for m0 in range(start, end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)        # places m0 .. of expert e's sorted pairs
         m_ok = m < end
@@ -85,7 +108,10 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, hidden, inter,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += dot_t(h, w, IEEE)
+            acc += _scaled(dot_t(h, w.to(h.dtype), IEEE), s_base, n, n_ok, k0, stride_sn,
+                           SCALED, BO, BI)
+        if SCALED == 1:
+            acc = acc * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
         weight = tl.load(PAIR_WEIGHT + m, mask=m_ok, other=0.0)
         slot = tl.load(PAIR_SLOT + m, mask=m_ok, other=0).to(tl.int64)
         tl.store(Y + slot[:, None] * stride_yt + n[None, :], acc * weight[:, None],
@@ -143,10 +169,14 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
                     gate_up: torch.Tensor,      # [E, 2I, H] (gate rows first)
                     down: torch.Tensor,         # [E, H, I]
                     routing: Routing,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], x's dtype
+                    residual: torch.Tensor | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    block: tuple[int, int] | None = None) -> torch.Tensor:  # [T, H], x's dtype
     """(residual +) sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
     down(silu(gate(x)) * up(x)); only the routed experts' weights are read. The sum and
-    the residual's add are one kernel (_combine_kernel)."""
+    the residual's add are one kernel (_combine_kernel). FP8 experts: e4m3 gate_up / down
+    with `scales` (gate_up's, down's): float32 [E, rows] per row, or [E, ceil(rows/bo),
+    ceil(cols/bi)] per `block`."""
     num_tokens, top_k = routing.ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -166,15 +196,26 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = TILING
     ieee = x.dtype == torch.float32 or INTERPRETED
+    s_gu, s_down = scales if scales is not None else (x, x)
+    quant = dict(SCALED=0 if scales is None else 2 if block else 1,
+                 BO=block[0] if block else 1, BI=block[1] if block else 1)
+    if block is not None:
+        block_k = min(block_k, block[1])
+        if block[1] % block_k:
+            raise ValueError(f"grouped_experts: scale blocks {block} need BLOCK_K {block_k} "
+                             "to divide their columns")
+    sn = (lambda s: s.stride(1)) if block else (lambda s: 0)      # noqa: E731
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, gate_up, routing.pair_token, routing.offsets, h, hidden, inter,
+        x, gate_up, routing.pair_token, routing.offsets, h, s_gu, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        s_gu.stride(0) if scales is not None else 0, sn(s_gu),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **quant,
         num_warps=warps, num_stages=stages)
     _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
-        h, down, routing.slots, routing.pair_weight, routing.offsets, y, hidden, inter,
+        h, down, routing.slots, routing.pair_weight, routing.offsets, y, s_down, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        s_down.stride(0) if scales is not None else 0, sn(s_down),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **quant,
         num_warps=warps, num_stages=stages)
     res = residual if residual is not None else out
     if res.stride(-1) != 1:

@@ -9,7 +9,10 @@
 - routed experts (MoE targets): routing and the sort of the (token, expert) pairs in one
   program at decode sizes (kernels/moe_route.py), then a grouped GEMM over the pairs
   (kernels/moe.py);
-- under autograd: the PyTorch path (TorchOps).
+- under autograd: the PyTorch path (TorchOps);
+- FP8 linears (quant/fp8.py): decode-sized rows through the FP8 GEMV (kernels/fp8_gemv.py,
+  e4m3 weights widened in registers, per-channel or per-block scales), more rows
+  dequantize the weight and take cuBLAS; FP8 experts through the grouped GEMM's FP8 path.
 Attention reads the block pool directly (kernels/attention.py) when the metadata was
 built for it. Each kernel runs with programmatic dependent launch where the GPU has it
 and the settings allow.
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from onespec.kernels import attention as attention_kernels
+from onespec.kernels.fp8_gemv import fp8_gemv
 from onespec.kernels.gemv import Prenormed, gemv, gemv_argmax, gemv_prenorm
 from onespec.kernels.launch import pdl_supported
 from onespec.kernels.moe import grouped_experts, sort_pairs
@@ -30,6 +34,15 @@ from onespec.kernels.settings import MAX_ROWS, KernelSettings
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TorchOps
+from onespec.quant.fp8 import FP8Linear
+
+
+def completed(x):
+    """Rows as a tensor: a Prenormed's RMSNorm finished (x * 1/rms of its partial sums)."""
+    if not isinstance(x, Prenormed):
+        return x
+    rstd = torch.rsqrt(x.ss.sum(1, keepdim=True) / x.x.shape[1] + x.eps)
+    return (x.x.float() * rstd).to(x.x.dtype)
 
 
 class TritonOps(TorchOps):
@@ -62,13 +75,26 @@ class TritonOps(TorchOps):
             return super().norm(norm, x, out)
         return rms_norm(x, norm.weight, norm.eps, out, pdl=self.pdl(x.device))
 
+    def _fp8(self, layer: FP8Linear, x, **kw):
+        return fp8_gemv(x, layer.weight, layer.weight_scale, layer.block, layer.bias,
+                        pdl=self.pdl(self._x(x).device), **kw)
+
     def linear(self, layer: nn.Linear, x, residual=None, out_dtype=None):
+        if isinstance(layer, FP8Linear):
+            if self.decode_sized(x):
+                return self._fp8(layer, x, residual=residual, out_dtype=out_dtype)
+            return super().linear(layer, completed(x), residual, out_dtype)
         if not self.decode_sized(x):
             return super().linear(layer, x, residual, out_dtype)
         return gemv(x, layer.weight, layer.bias, residual=residual, out_dtype=out_dtype,
                     pdl=self.pdl(self._x(x).device))
 
     def gated(self, layer: nn.Linear, x):
+        if isinstance(layer, FP8Linear):
+            if self.decode_sized(x):
+                return self._fp8(layer, x, gated=True)
+            return silu_mul(layer(x), pdl=self.pdl(x.device)) if self.rows(x) \
+                else super().gated(layer, x)
         if self.decode_sized(x):
             return gemv(x, layer.weight, layer.bias, gated=True,
                         pdl=self.pdl(self._x(x).device))
@@ -78,6 +104,8 @@ class TritonOps(TorchOps):
 
     def add_norm(self, layer: nn.Linear, x, residual, norm: RMSNorm,
                  early_release: bool = False):
+        if isinstance(layer, FP8Linear):
+            return self.add_full_norm(layer, x, residual, norm)
         if self.decode_sized(x):
             return gemv_prenorm(x, layer.weight, residual, (norm.weight, norm.eps),
                                 layer.bias, early_release=early_release,
@@ -101,8 +129,9 @@ class TritonOps(TorchOps):
         tree = dict(rotary_positions=positions) if meta.tree_mask is not None else {}
         cache_positions = meta.positions if tree else positions
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        if self.decode_sized(x) and rotary.fused_ok and \
-                qkv_rope_fusable(x, w, attn.head_dim, attn.qk_norm):
+        fusable = not isinstance(attn.qkv_proj, FP8Linear) and \
+            qkv_rope_fusable(x, w, attn.head_dim, attn.qk_norm)
+        if self.decode_sized(x) and rotary.fused_ok and fusable:
             q = qkv_rope_and_cache(x, w, b, cache_positions, rotary.cos_sin,
                                    meta.block_tables, meta.token_req, meta.block_size,
                                    attn.k_cache, attn.v_cache, attn.num_heads,
@@ -141,7 +170,10 @@ class TritonOps(TorchOps):
                                      scaling=router.scaling)
         else:
             routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
-        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing, residual)
+        scales = (experts.gate_up_proj_scale, experts.down_proj_scale) \
+            if experts.quantized else None
+        return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing, residual,
+                               scales, experts.block)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):
@@ -152,6 +184,13 @@ class TritonOps(TorchOps):
                                  pdl=self.pdl(hidden.device))
 
     def greedy(self, layer: nn.Linear, x, norm=None, offsets=None):
+        if isinstance(layer, FP8Linear):
+            if not self.decode_sized(x):
+                return super().greedy(layer, x, norm, offsets)
+            if norm is not None:
+                x = self.norm(norm, completed(x))
+            ids = self._fp8(layer, x, out_dtype=torch.float32).argmax(-1)
+            return ids if offsets is None else ids + offsets[ids]
         if not self.decode_sized(x):
             return super().greedy(layer, x, norm, offsets)
         if norm is not None:

@@ -35,6 +35,7 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding, check_rope
 from onespec.models.llama import MLP, check_field_types
 from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
+from onespec.quant.fp8 import linear_dtype
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -249,6 +250,7 @@ class MLAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa
         settings = getattr(self.ops, "settings", None)
         if settings is None or not settings.triton or first.bias is not None or \
+                not isinstance(first, nn.Linear) or not isinstance(kv_a, nn.Linear) or \
                 kv_a.bias is not None or first.weight.dtype != kv_a.weight.dtype:
             return
         weight = torch.cat([first.weight.data, kv_a.weight.data])
@@ -260,16 +262,16 @@ class MLAttention(nn.Module):
 
     # the KV pool's hooks (engine/kv_cache.py)
     def cache_bytes_per_token(self) -> int:
-        return (self.kv_lora_rank + self.rope_dim) * self.o_proj.weight.element_size()
+        return (self.kv_lora_rank + self.rope_dim) * linear_dtype(self.o_proj).itemsize
 
     def expanded_bytes_per_token(self) -> int:
         """What a cache of expanded keys and values would take, for comparison."""
         per_head = self.nope_dim + self.rope_dim + self.v_dim
-        return self.num_heads * per_head * self.o_proj.weight.element_size()
+        return self.num_heads * per_head * linear_dtype(self.o_proj).itemsize
 
     def allocate_cache(self, num_slots: int, device):
         self.latent_cache = zeros_on_write((num_slots, self.kv_lora_rank + self.rope_dim),
-                                           self.o_proj.weight.dtype, device)
+                                           linear_dtype(self.o_proj), device)
 
     def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None):

@@ -12,15 +12,21 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig, make_vocab_maps
 from onespec.models.llama import DecoderConfig
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.quant import fp8
 
 VOCAB_MAPS = ("d2t", "t2d")
 
 
 def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device,
-                     dtype, dummy: bool = False, ops: TorchOps = TORCH_OPS) -> Eagle3Head:
-    """The head at `path` for a target of config `target`, built with the backend `ops`."""
-    cfg = Eagle3HeadConfig.from_hf(read_config(path))
+                     dtype, dummy: bool = False, ops: TorchOps = TORCH_OPS,
+                     quantize: bool = False) -> Eagle3Head:
+    """The head at `path` for a target of config `target`, built with the backend `ops`;
+    `quantize` (draft_dtype="fp8"): its linears, lm_head included, as e4m3 weights per
+    output channel (quant/fp8.py), computing in `dtype`."""
+    raw = read_config(path)
+    cfg = Eagle3HeadConfig.from_hf(raw)
     what = f"EAGLE-3 head {path!r}"
+    scheme = None if dummy else fp8.checkpoint_scheme(raw, path)    # an FP8 head
     if cfg.target_hidden_size != target.hidden_size:
         raise ValueError(f"{what} was trained for target hidden size {cfg.target_hidden_size}, "
                          f"but the target has hidden_size {target.hidden_size}")
@@ -28,7 +34,8 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         raise ValueError(f"{what} has vocab_size {cfg.target_vocab_size}, but the target has "
                          f"vocab_size {target.vocab_size}")
     if dummy:
-        return _dummy_head(cfg, num_captured, device, dtype, ops)
+        head = _dummy_head(cfg, num_captured, device, dtype, ops)
+        return fp8.quantize_model(head, skip=()) if quantize else head
     weights = dict(iter_weights(path, desc="loading draft head"))
     prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
     if not any(k.startswith(prefix) for k in weights):
@@ -58,7 +65,14 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         if "t2d" in maps:
             head.t2d.copy_(maps["t2d"].bool())
     rename = (lambda n: "layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n)
-    load_weights(head, weights.items(), rename=rename, what=what)
+    items = weights.items()
+    if scheme is not None:
+        fp8.prepare_for_checkpoint(head, scheme, list(weights), rename, what)   # (on the CPU)
+        rename = fp8.scale_rename(scheme, rename)
+        items = fp8.checked_activation_scales(items, what)
+    load_weights(head, items, rename=rename, what=what)
+    if quantize:        # on the CPU, before the move
+        fp8.quantize_model(head, skip=())
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
 
 

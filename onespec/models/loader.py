@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from onespec.quant.fp8 import FP8, fit_scale
+
 # checkpoint projection -> (packed onespec parameter, shard)
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"),
@@ -22,11 +24,14 @@ PACKED_MODULES = {
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # checkpoint dtypes a floating-point parameter is loaded from (cast to the model's dtype);
-# anything else (int8, uint8, float8, packed 4-bit) is a quantized format onespec refuses
+# anything else (int8, uint8, packed 4-bit) is a quantized format onespec refuses, and
+# float8 loads only into the FP8 parameters of a declared FP8 checkpoint (quant/fp8.py)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# per-expert checkpoint keys -> stacked expert parameters (models/moe.py Experts)
-EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+# per-expert checkpoint keys (and their FP8 scales) -> stacked expert parameters
+# (models/moe.py Experts)
+EXPERT_KEY = re.compile(
+    r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)")
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale)?")
 
 
 class HFConfig(dict):
@@ -159,7 +164,8 @@ def _expert_target(params: dict, name: str):
     if m is None:
         return None
     prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    param_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    param_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}" + \
+        ("_scale" if m.group(4) == "weight_scale" else "")
     param = params.get(param_name)
     if param is None or e >= param.shape[0]:
         return param_name, None
@@ -175,7 +181,8 @@ def _checkpoint_names(param_name: str, param: torch.Tensor | None = None) -> lis
     m = STACKED_EXPERTS.fullmatch(param_name)
     if m is not None and param is not None:
         projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
-        return [f"{m.group(1)}.{e}.{p}.weight" for e in range(param.shape[0]) for p in projs]
+        key = "weight_scale" if m.group(3) else "weight"
+        return [f"{m.group(1)}.{e}.{p}.{key}" for e in range(param.shape[0]) for p in projs]
     parts = param_name.split(".")
     shards = [s for s, (packed, _) in PACKED_MODULES.items()
               if len(parts) > 1 and packed == parts[-2]]
@@ -206,19 +213,20 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
                 unexpected.append(raw_name)
                 continue
             param = params.get(param_name)
+            if param is not None and offset is not None and param_name.endswith("_scale"):
+                owner = module.get_submodule(param_name.rpartition(".")[0])
+                offset, size = owner.scale_rows(offset, size, raw_name)
             dest = None if param is None else \
                 param.data if offset is None else param.data.narrow(0, offset, size)
         if dest is None:
             unexpected.append(raw_name)
             continue
+        if param_name.endswith("_scale"):       # an FP8 weight's scales (quant/fp8.py)
+            tensor = fit_scale(raw_name, tensor, dest, what)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"{what}: weight {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
-        if dest.is_floating_point() and tensor.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"{what}: weight {raw_name!r} is stored as "
-                             f"{str(tensor.dtype).removeprefix('torch.')}, which onespec does not "
-                             "load (quantized checkpoints are not supported yet); weights must "
-                             "be float32, bfloat16, float16 or float64")
+        _check_dtype(raw_name, tensor, dest, what)
         dest.copy_(tensor)
         loaded.add(name)
     if strict and unexpected:
@@ -229,6 +237,42 @@ def load_weights(module: torch.nn.Module, weights, rename=lambda n: n, strict: b
     if missing:
         raise ValueError(f"{what}: missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return unexpected
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, dest: torch.Tensor, what: str):
+    """float8 weights go only into FP8 parameters (and FP8 parameters take nothing else);
+    other floating-point parameters load from WEIGHT_DTYPES."""
+    stored = str(tensor.dtype).removeprefix("torch.")
+    if dest.dtype == FP8:
+        if tensor.dtype != FP8:
+            raise ValueError(f"{what}: weight {name!r} is stored as {stored}, but the "
+                             "checkpoint's other shards of its layer are float8_e4m3fn with "
+                             "scales; a quantized layer needs every shard in FP8")
+    elif dest.is_floating_point() and tensor.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{what}: weight {name!r} is stored as {stored}, which onespec does "
+                         "not load here: weights must be float32, bfloat16, float16 or "
+                         "float64, or float8_e4m3fn with a scale tensor in an FP8 checkpoint "
+                         "(quantization_config quant_method 'fp8', 'compressed-tensors' or "
+                         "'modelopt')")
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """Every tensor name of a checkpoint (from the index, or the files' headers)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.lexists(index):
+        data = _read_json(checked_file(path, "model.safetensors.index.json", repr(path)),
+                          "the weight index")
+        if isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+            return list(data["weight_map"])
+    keys = []
+    for file in checkpoint_files(path):
+        opened = _open_weights(file)
+        if isinstance(opened, dict):
+            keys += list(opened)
+        else:
+            with opened as f:
+                keys += list(f.keys())
+    return keys
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.llama import run_decoder
+from onespec.quant.fp8 import FP8, KeepsQuantized, dequantize
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
 
@@ -83,10 +84,14 @@ class Router:
         return softmax_route(logits, self.top_k, self.norm_topk_prob)
 
 
-class Experts(nn.Module):
+class Experts(KeepsQuantized, nn.Module):
+    """Stacked experts; in an FP8 model (quant/fp8.py) gate_up_proj / down_proj are e4m3
+    with `gate_up_proj_scale` / `down_proj_scale` (per block of `block`, or per row)."""
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.block = None           # FP8 scale blocks (quant/fp8.py quantize_experts)
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
@@ -99,6 +104,22 @@ class Experts(nn.Module):
         expert_{ids[:, j]}(x) [T, H], (weights, ids) being router.route(logits, bias)."""
         return self.ops.routed_experts(self, x, logits, router, bias, residual)
 
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_proj.dtype == FP8
+
+    def weight(self, name: str, index=None) -> torch.Tensor:
+        """The experts' `name` weights (gate_up_proj or down_proj), all or `index`ed,
+        dequantized to the compute dtype if FP8 (only the experts indexed)."""
+        w = getattr(self, name)
+        if index is not None:
+            w = w[index]
+        if w.dtype != FP8:
+            return w
+        scale = getattr(self, name + "_scale")
+        return dequantize(w, scale if index is None else scale[index], self.block,
+                          self.compute_dtype)
+
     def portable(self, x, ids, weights):
         """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x),
         through PyTorch operations (any device, autograd)."""
@@ -107,15 +128,18 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, slot, None]
+            gate, up = F.linear(x[rows], self.weight("gate_up_proj", e)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.weight("down_proj", e)) * \
+                weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
     def _gathered(self, x, ids, weights):
-        gate_up = torch.matmul(self.gate_up_proj[ids], x[:, None, :, None]).squeeze(-1)
+        gate_up = torch.matmul(self.weight("gate_up_proj", ids),
+                               x[:, None, :, None]).squeeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)                                 # [T, k, I]
-        y = torch.matmul(self.down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = torch.matmul(self.weight("down_proj", ids),
+                         (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)               # [T, H]
 
 

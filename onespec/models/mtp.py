@@ -28,7 +28,8 @@ from torch import nn
 from onespec.distributed.layers import (ParallelLMHead, VocabParallelEmbedding, shard_layer,
                                         shard_weights)
 from onespec.layers.norm import RMSNorm
-from onespec.models.loader import init_dummy_weights, iter_weights, load_weights
+from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
+from onespec.quant import fp8
 
 OWN_MODULES = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 
@@ -97,10 +98,12 @@ def _shard(layer: MTPLayer, cfg, tp):
 
 
 def load_mtp_head(path: str, target, num_layers: int, device, dtype,
-                  dummy: bool = False, parallel=None) -> MTPHead:
+                  dummy: bool = False, parallel=None, quantize: bool = False) -> MTPHead:
     """MTP layers 0..num_layers-1 of the checkpoint at `path`, for `target` (a model with
     make_decoder_layer and make_rotary, e.g. DeepseekV3ForCausalLM); `parallel` (a
-    distributed.TensorParallel): this rank's shards only."""
+    distributed.TensorParallel): this rank's shards only. An FP8 checkpoint's layers load
+    as they are quantized (quant/fp8.py); `quantize` (draft_dtype="fp8") quantizes the
+    others per output channel, all but the vocabulary head."""
     cfg = target.config
     if not hasattr(target, "make_decoder_layer"):
         raise ValueError(f"MTP drafting needs a target with MTP layers (DeepSeek-V3 family); "
@@ -111,6 +114,8 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
                          f"{num_layers} were asked for (MTP-Eagle needs 1, vanilla MTP one "
                          "per draft)")
     rename = _mtp_rename(cfg.num_hidden_layers, num_layers)
+    declared = fp8.checkpoint_scheme(read_config(path), path)
+    scheme = None if dummy else declared
     weights = ((n, t) for raw, t in iter_weights(path, "loading MTP layers")
                if (n := rename(raw)) is not None)
     if parallel is not None:    # copied: no slice keeps a whole checkpoint tensor alive
@@ -130,9 +135,21 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
             for layer in layers:
                 _shard(layer, cfg, parallel)
         head = MTPHead(layers, target)
+    what = f"MTP layers of {path!r}"
+    load_rename = lambda n: n   # noqa: E731 (the keys are renamed already)
+    if scheme is not None:
+        fp8.prepare_for_checkpoint(head, scheme, list(weights), load_rename, what)
+        load_rename = fp8.scale_rename(scheme, load_rename)
     head.to_empty(device=device if dummy else "cpu")
     if dummy:
         init_dummy_weights(head, seed=1)
     else:
-        load_weights(head, weights.items(), what=f"MTP layers of {path!r}")
-    return head.to(device=device, dtype=dtype).eval()
+        items = weights.items()
+        if scheme is not None:
+            items = fp8.checked_activation_scales(items, what)
+        load_weights(head, items, rename=load_rename, what=what)
+    if quantize or (dummy and declared is not None):     # (random weights: its layout)
+        fp8.quantize_model(head, skip=("head",), block=declared.block if declared else None)
+    head = head.to(device=device, dtype=dtype).eval()
+    fp8.dequantize_direct_reads(head)
+    return head

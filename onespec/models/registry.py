@@ -15,9 +15,10 @@ from onespec.engine.memory import require_bytes
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
-from onespec.models.loader import (checked_file, init_dummy_weights, iter_weights, load_weights,
-                                   read_config)
+from onespec.models.loader import (checked_file, checkpoint_keys, init_dummy_weights,
+                                   iter_weights, load_weights, read_config)
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
+from onespec.quant import fp8
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
@@ -66,12 +67,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_target(path: str, device, dtype, dummy: bool = False,
-                ops: TorchOps = TORCH_OPS, parallel=None) -> LlamaForCausalLM:
+                ops: TorchOps = TORCH_OPS, parallel=None,
+                quantization: str | None = None) -> LlamaForCausalLM:
     """The target model at `path` (random weights if `dummy`), built with the backend `ops`
     (classes without Triton kernels, `supports_triton = False`, take the portable path);
-    `parallel` (a distributed.TensorParallel): this rank's shards only."""
+    `parallel` (a distributed.TensorParallel): this rank's shards only. An FP8 checkpoint
+    (quant/fp8.py) loads as it is quantized; quantization="fp8" quantizes any other one per
+    output channel as it loads (its lm_head and embedding stay in `dtype`). Random weights
+    (`dummy`) of an FP8 config are quantized in its layout (its blocks, else per channel)."""
     raw = read_config(path)
     cls = target_class(raw)
+    declared = fp8.checkpoint_scheme(raw, path)
+    scheme = None if dummy else declared
     cfg = cls.config_class.from_hf(raw)
     bad_eos = [t for t in cfg.eos_token_ids if t >= cfg.vocab_size]
     if bad_eos:
@@ -81,7 +88,13 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         model = cls(cfg, ops if cls.supports_triton else TORCH_OPS)
     if parallel is not None:
         shard_decoder(model, parallel)
-    num_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    rename = model.checkpoint_rename
+    if scheme is not None:
+        fp8.prepare_for_checkpoint(model, scheme, checkpoint_keys(path), rename, path)
+        rename = fp8.scale_rename(scheme, rename)
+    num_bytes = fp8.quantized_bytes(model, dtype)
+    if (quantization == "fp8" or declared is not None) and scheme is None:
+        num_bytes = _fp8_bytes(model, dtype)
     require_bytes(num_bytes, torch.device(device), f"{raw.source}: loading the model's weights in "
                   f"{str(dtype).removeprefix('torch.')} (hidden_size={cfg.hidden_size}, "
                   f"num_hidden_layers={cfg.num_hidden_layers}, vocab_size={cfg.vocab_size})")
@@ -90,13 +103,31 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
         init_dummy_weights(model)
+        if quantization == "fp8" or declared is not None:
+            fp8.quantize_model(model, block=declared.block if declared else None)
         return _fused(model.to(dtype=dtype).eval(), parallel)
     weights = iter_weights(path)
     if parallel is not None:        # each tensor sliced to this rank's part as it streams
         weights = shard_weights(weights, cfg, parallel)
-    load_weights(model, weights, rename=model.checkpoint_rename,
-                 what=f"checkpoint {path!r}")
-    return _fused(model.to(device=device, dtype=dtype).eval(), parallel)
+    what = f"checkpoint {path!r}"
+    if scheme is not None:
+        weights = fp8.checked_activation_scales(weights, what)
+    load_weights(model, weights, rename=rename, what=what)
+    if quantization == "fp8" and scheme is None:
+        fp8.quantize_model(model)       # on the CPU, before the move: FP8 bytes on the device
+    model = model.to(device=device, dtype=dtype).eval()
+    fp8.dequantize_direct_reads(model)
+    return _fused(model, parallel)
+
+
+def _fp8_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """What the model takes once quantize_model has made its linears and experts FP8."""
+    total = 0
+    for name, p in model.named_parameters():
+        quantized = name.endswith((".weight", "gate_up_proj", "down_proj")) and p.dim() >= 2 \
+            and "embed_tokens" not in name and not name.startswith("lm_head")
+        total += p.numel() * (1 if quantized else dtype.itemsize)
+    return total
 
 
 def _fused(model, parallel):

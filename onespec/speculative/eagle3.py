@@ -7,6 +7,7 @@ import torch
 from onespec.distributed.layers import VocabParallelEmbedding
 from onespec.models.eagle3 import Eagle3Head
 from onespec.models.llama import LlamaForCausalLM
+from onespec.quant.fp8 import linear_dtype
 
 
 class Eagle3Drafter:
@@ -16,7 +17,7 @@ class Eagle3Drafter:
         self.capture_layers = capture_layers
         self.embed = head.embed_tokens if head.embed_tokens is not None \
             else target.model.embed_tokens
-        self.dtype = head.fc.weight.dtype    # may be below the target's: drafts are verified
+        self.dtype = linear_dtype(head.fc)    # may be below the target's: drafts are verified
 
     @property
     def attention_layers(self):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from onespec.models.mtp import MTPHead
+from onespec.quant.fp8 import linear_dtype
 
 
 class MTPDrafter:
@@ -22,7 +23,7 @@ class MTPDrafter:
 
     def __init__(self, head: MTPHead, target, vanilla: bool = False):
         self.head, self.target, self.vanilla = head, target, vanilla
-        self.dtype = head.layers[0].eh_proj.weight.dtype
+        self.dtype = linear_dtype(head.layers[0].eh_proj)
         self._layer = head.layers[0]        # the layer of the latest forward (its head)
 
     @property
@@ -50,11 +51,11 @@ class MTPDrafter:
 
     def compute_logits(self, hidden):
         head = self._head()
-        return self.target.ops.logits(head, hidden.to(head.weight.dtype))   # [N, V]
+        return self.target.ops.logits(head, hidden.to(linear_dtype(head)))   # [N, V]
 
     def greedy_target_ids(self, hidden):
         head = self._head()
-        return self.target.ops.greedy(head, hidden.to(head.weight.dtype))   # [N]
+        return self.target.ops.greedy(head, hidden.to(linear_dtype(head)))   # [N]
 
     def to_target_ids(self, draft_ids):
         return draft_ids

@@ -108,6 +108,12 @@ def engine_features(engine_config, target_cls=None, sliding_window=None) -> set[
     return on
 
 
+def target_window(model_config) -> int | None:
+    """The target's window for SLIDING: the window of every layer (`sliding_window`) or of
+    some layers (`layer_window`: gpt-oss alternates sliding and full layers)."""
+    return model_config.sliding_window or getattr(model_config, "layer_window", None)
+
+
 def check_combinations(on: set[str]):
     """Raises UnsupportedCombination for the first refused pair among the features `on`."""
     for refusal in REFUSED:

@@ -1,0 +1,1 @@
+"""Quantized checkpoint formats onespec reads (decoded at load)."""

@@ -1,0 +1,200 @@
+"""gpt-oss against Hugging Face transformers: greedy generation token for token (batched,
+chunked prefill, preemption, a request many windows long), bf16 logits, attention sinks
+and the sliding layers' windows, the clamped SwiGLU; EAGLE-3 heads in the published
+gpt-oss layout are lossless; config errors name their field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, assert_pool_full, hf_greedy
+from gpt_oss_utils import WINDOW, make_gpt_oss_model, write_gpt_oss_eagle3_head
+from onespec import LLM, SamplingParams
+from onespec.combinations import UnsupportedCombination
+from onespec.config import Eagle3Config
+from onespec.layers.attention import build_attention_metadata
+from onespec.models.gpt_oss import GptOssConfig, clamped_swiglu
+from test_deepseek import ENGINE_MODES, NEW_TOKENS, PROMPTS, make_prompts
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+LONG_PROMPT = make_prompts((100,), seed=5)[0]       # 12 windows of the sliding layers
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    """(path, float32 transformers model, greedy references for PROMPTS)."""
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf = make_gpt_oss_model(path)
+    return str(path), hf, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_config_reads_layer_types_and_windows(gpt_oss):
+    path, hf, _ = gpt_oss
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64)
+    model = llm.engine.model
+    assert model.config.layer_types == tuple(hf.config.layer_types)
+    assert model.sliding_windows == (WINDOW, None, WINDOW, None)
+    assert model.config.sliding_window is None        # the metadata stays full-causal
+    assert llm.engine.features >= {"a target with a sliding window"}
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_greedy_matches_transformers(gpt_oss, mode):
+    path, _, refs = gpt_oss
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if mode == "preemption":
+        assert llm.stats()["num_preemptions"] > 0
+    assert_pool_full(llm)
+
+
+def test_long_request_matches_transformers(gpt_oss):
+    """A request 14 windows long, prefilled in chunks over blocks of 4: every sliding
+    layer's window moves over many blocks (all of them stay allocated: the full layers
+    read them)."""
+    path, hf, _ = gpt_oss
+    ref = hf_greedy(hf, LONG_PROMPT, NEW_TOKENS)
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=4, max_num_tokens=24,
+              max_model_len=128)
+    out = llm.generate([LONG_PROMPT], GREEDY)[0].outputs[0].token_ids
+    assert out == ref
+    assert_pool_full(llm)
+
+
+@torch.no_grad()
+def _prefill_logits(llm, prompt):
+    n = len(prompt)
+    dev = llm.engine.device
+    llm.engine.pool.allocate(table := [], n)
+    meta = build_attention_metadata(torch.tensor([table], device=dev), [n],
+                                    torch.arange(n, device=dev), llm.engine.pool.block_size, n)
+    hidden, _ = llm.engine.model(torch.tensor(prompt, device=dev), torch.arange(n, device=dev),
+                                 meta)
+    llm.engine.pool.free(table)
+    return llm.engine.model.compute_logits(hidden).float().cpu()
+
+
+@torch.no_grad()
+def test_prefill_logits_match_transformers_and_sinks_and_windows_matter(gpt_oss):
+    """The logits equal transformers' over a prompt 5 windows long; zeroing the sinks or
+    widening the windows changes them (both are exercised)."""
+    path, hf, _ = gpt_oss
+    llm = LLM(path, dtype="float32", device="cpu")
+    prompt = PROMPTS[-1]
+    ref = hf(torch.tensor([prompt])).logits[0]
+    ours = _prefill_logits(llm, prompt)
+    assert (ours - ref).abs().max() / ref.abs().max() < 1e-5
+    attn = [layer.self_attn for layer in llm.engine.model.model.layers]
+    sinks = [a.sinks.clone() for a in attn]
+    for a in attn:
+        a.sinks.zero_()
+    assert (_prefill_logits(llm, prompt) - ref).abs().max() > 1e-3
+    for a, s in zip(attn, sinks):
+        a.sinks.copy_(s)
+        a.window = None if a.window is None else 10 * WINDOW
+    assert (_prefill_logits(llm, prompt) - ref).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
+    """bf16 weights: onespec's logits are about as far from the float32 reference as
+    transformers' own bf16 run is (per row, the median of the largest error: a row whose
+    routing flips under bf16 rounding is far off in either). Its eager attention rounds to
+    bf16 more often, so token-for-token equality with it is not expected."""
+    import transformers
+    _, hf, _ = gpt_oss
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    hf.float()
+    prompt = PROMPTS[-1]
+    ref = hf(torch.tensor([prompt])).logits[0]
+    hf_bf16 = transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    hf_err = (hf_bf16(torch.tensor([prompt])).logits[0].float() - ref).abs().amax(-1)
+    ours = _prefill_logits(LLM(str(tmp_path), dtype="bfloat16", device="cpu"), prompt)
+    err = (ours - ref).abs().amax(-1)
+    assert err.median() <= 1.5 * hf_err.median()
+
+
+def test_clamped_swiglu_worked_example():
+    # columns: gate0, up0, gate1, up1 (interleaved)
+    gate_up = torch.tensor([[10.0, -10.0, 1.0, 0.5]])
+    out = clamped_swiglu(gate_up, alpha=1.702, limit=7.0)
+    g0, u0 = 7.0, -7.0
+    g1, u1 = 1.0, 0.5
+    want = torch.tensor([[(u0 + 1) * g0 * torch.sigmoid(torch.tensor(1.702 * g0)),
+                          (u1 + 1) * g1 * torch.sigmoid(torch.tensor(1.702 * g1))]])
+    torch.testing.assert_close(out, want)
+
+
+@pytest.fixture(scope="session")
+def eagle_head(gpt_oss, tmp_path_factory):
+    _, hf, _ = gpt_oss
+    path = tmp_path_factory.mktemp("gpt_oss_eagle3")
+    write_gpt_oss_eagle3_head(path, hf.config, aux_layer_ids=(1, 2, 3))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["batched", "chunked-prefill"])
+def test_eagle3_greedy_equals_plain(gpt_oss, eagle_head, mode):
+    path, _, refs = gpt_oss
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE,
+              speculative_config=Eagle3Config(eagle_head, max_draft_len=3),
+              **ENGINE_MODES[mode])
+    assert llm.engine.drafter.capture_layers == (0, 1, 2)     # inputs-to ids 1, 2, 3
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
+def test_eagle3_long_request_equals_plain(gpt_oss, eagle_head):
+    path, hf, _ = gpt_oss
+    ref = hf_greedy(hf, LONG_PROMPT, NEW_TOKENS)
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=4, max_model_len=128,
+              speculative_config=Eagle3Config(eagle_head, max_draft_len=2))
+    assert llm.generate([LONG_PROMPT], GREEDY)[0].outputs[0].token_ids == ref
+    assert_pool_full(llm)
+
+
+def test_dynamic_tree_refused(gpt_oss, eagle_head):
+    path, _, _ = gpt_oss
+    with pytest.raises(UnsupportedCombination, match="sliding window"):
+        LLM(path, dtype="float32", device="cpu",
+            speculative_config=Eagle3Config(eagle_head, max_draft_len=2, use_dynamic_tree=True))
+
+
+def _config(path) -> dict:
+    with open(f"{path}/config.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(layer_types=["sliding_attention"]), "layer_types"),
+    (dict(layer_types=["sliding_attention", "local", "full_attention", "full_attention"]),
+     "layer_types"),
+    (dict(sliding_window=None), "sliding_window"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type"),
+    (dict(num_local_experts=0), "num_local_experts"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+])
+def test_bad_config_names_field(gpt_oss, change, field):
+    cfg = {**_config(gpt_oss[0]), **change}
+    with pytest.raises(ValueError, match=field):
+        GptOssConfig.from_hf(cfg)
+
+
+def test_published_config_spellings(gpt_oss):
+    """transformers 4.x spellings (rope_scaling + rope_theta, experts_per_token) and no
+    layer_types (even layers slide) read the same."""
+    cfg = _config(gpt_oss[0])
+    new = GptOssConfig.from_hf(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope
+    cfg["experts_per_token"] = cfg.pop("num_experts_per_tok")
+    cfg.pop("layer_types")
+    old = GptOssConfig.from_hf(cfg)
+    assert old == new

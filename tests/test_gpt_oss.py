@@ -198,3 +198,23 @@ def test_published_config_spellings(gpt_oss):
     cfg.pop("layer_types")
     old = GptOssConfig.from_hf(cfg)
     assert old == new
+
+
+def test_bench_floor_of_the_gpt_oss_20b_shape():
+    """The decode floor's target bytes at batch 1, K = 0: the 4 of 32 experts one token
+    reaches, attention, norms, the LM head and one embedding row: gpt-oss-20b's published
+    3.6 B active parameters. Sliding layers read at most their 128-key window."""
+    from onespec.bench.models import target_config, windowed_kv_bytes
+    from onespec.bench.moe import moe_step_bytes
+    from onespec.models.gpt_oss import GptOssForCausalLM
+    from onespec.models.loader import HFConfig
+    cfg = GptOssConfig.from_hf(HFConfig(target_config("gpt-oss-20b")))
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg).to(torch.bfloat16)
+    target = moe_step_bytes(model, None, 1, 0, 0.0, 0, 0)["target"]
+    assert 3.55e9 < target / 2 < 3.65e9
+    for layer in model.model.layers:
+        layer.self_attn.k_cache = torch.empty(0, 8, 64, dtype=torch.bfloat16, device="meta")
+    per_token = 2 * 8 * 64 * 2                       # K and V, 8 heads of 64, bf16
+    kv = windowed_kv_bytes([layer.self_attn for layer in model.model.layers], 1, 0, 4096.0)
+    assert kv == 12 * per_token * 4096 + 12 * per_token * 128

@@ -218,3 +218,46 @@ def test_bench_floor_of_the_gpt_oss_20b_shape():
     per_token = 2 * 8 * 64 * 2                       # K and V, 8 heads of 64, bf16
     kv = windowed_kv_bytes([layer.self_attn for layer in model.model.layers], 1, 0, 4096.0)
     assert kv == 12 * per_token * 4096 + 12 * per_token * 128
+
+
+def _kernel_case(q_lens, starts, heads=4, kv_heads=2, head_dim=16, seed=0):
+    """Caches of 4-slot blocks (shuffled), queries of requests with q_lens rows from
+    positions starts, sink logits of either sign and size."""
+    g = torch.Generator().manual_seed(seed)
+    bs, width = 4, 96
+    tables = torch.randperm(len(q_lens) * width, generator=g).view(-1, width)
+    kc, vc = (torch.randn(tables.numel() * bs, kv_heads, head_dim, generator=g)
+              for _ in range(2))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
+    q = torch.randn(len(positions), heads, head_dim, generator=g)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])[:heads]
+    return q, kc, vc, tables, positions, bs, sinks
+
+
+@pytest.mark.parametrize("launch, window", [("decode-split", 40), ("verify", None),
+                                            ("prefill-packs", 40)])
+@torch.inference_mode()
+def test_triton_attention_sinks_match_portable(launch, window):
+    """The Triton paged attention kernel with sinks (Triton's interpreter on a CPU) equals
+    sink_attention: rows split over key tiles and merged (the sink counted once, by the
+    split holding the first tile), verify rows sharing programs, a prefill pack; with and
+    without a window."""
+    pytest.importorskip("triton")
+    from onespec.kernels import attention as ta
+    from onespec.models.gpt_oss import sink_attention
+    q_lens, starts = {"decode-split": ([1, 1], [150, 2]),
+                      "verify": ([4], [130]),
+                      "prefill-packs": ([20], [0])}[launch]
+    q, kc, vc, tables, positions, bs, sinks = _kernel_case(q_lens, starts)
+    rpr = 4 if launch == "verify" else 0
+    meta = build_attention_metadata(tables, q_lens, positions, bs, int(positions.max()) + 1,
+                                    window)
+    ref = sink_attention(q, kc, vc, meta, 0.25, sinks, window)
+    out = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions, 0.25, bs, window,
+                             rows_per_request=rpr, sinks=sinks, splits=4,
+                             packs=lambda rows: ta.row_packs(q_lens, rows, q.device))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    no_sinks = sink_attention(q, kc, vc, meta, 0.25, torch.full_like(sinks, -torch.inf),
+                              window)
+    assert (no_sinks - out).abs().max() > 1e-2          # the sinks do change the output
+    assert ta.counters_clear(q.device) or launch == "prefill-packs"

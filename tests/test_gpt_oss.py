@@ -14,7 +14,7 @@ from gpt_oss_utils import WINDOW, make_gpt_oss_model, write_gpt_oss_eagle3_head
 from onespec import LLM, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import Eagle3Config
-from onespec.layers.attention import build_attention_metadata
+from onespec.layers.attention import build_attention_metadata, windowed_attention
 from onespec.models.gpt_oss import GptOssConfig, clamped_swiglu
 from test_deepseek import ENGINE_MODES, NEW_TOKENS, PROMPTS, make_prompts
 
@@ -239,12 +239,11 @@ def _kernel_case(q_lens, starts, heads=4, kv_heads=2, head_dim=16, seed=0):
 @torch.inference_mode()
 def test_triton_attention_sinks_match_portable(launch, window):
     """The Triton paged attention kernel with sinks (Triton's interpreter on a CPU) equals
-    sink_attention: rows split over key tiles and merged (the sink counted once, by the
+    windowed_attention: rows split over key tiles and merged (the sink counted once, by the
     split holding the first tile), verify rows sharing programs, a prefill pack; with and
     without a window."""
     pytest.importorskip("triton")
     from onespec.kernels import attention as ta
-    from onespec.models.gpt_oss import sink_attention
     q_lens, starts = {"decode-split": ([1, 1], [150, 2]),
                       "verify": ([4], [130]),
                       "prefill-packs": ([20], [0])}[launch]
@@ -252,12 +251,51 @@ def test_triton_attention_sinks_match_portable(launch, window):
     rpr = 4 if launch == "verify" else 0
     meta = build_attention_metadata(tables, q_lens, positions, bs, int(positions.max()) + 1,
                                     window)
-    ref = sink_attention(q, kc, vc, meta, 0.25, sinks, window)
+    ref = windowed_attention(q, kc, vc, meta, 0.25, sinks, window)
     out = ta.paged_attention(q, kc, vc, tables, meta.token_req, positions, 0.25, bs, window,
                              rows_per_request=rpr, sinks=sinks, splits=4,
                              packs=lambda rows: ta.row_packs(q_lens, rows, q.device))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    no_sinks = sink_attention(q, kc, vc, meta, 0.25, torch.full_like(sinks, -torch.inf),
-                              window)
+    no_sinks = windowed_attention(q, kc, vc, meta, 0.25, None, window)
     assert (no_sinks - out).abs().max() > 1e-2          # the sinks do change the output
     assert ta.counters_clear(q.device) or launch == "prefill-packs"
+
+
+def _forwards(path, ops, chunks, tables, ids):
+    """The target at `path` built with `ops`: hidden states, logits and greedy tokens of
+    each chunk (lo, hi) of ids in turn, each over the cache the chunks before it wrote."""
+    from onespec.engine.kv_cache import allocate_kv_cache
+    from onespec.models.registry import load_target
+    model = load_target(str(path), "cpu", torch.float32, ops=ops)
+    model.setup_rotary(128, "cpu")
+    allocate_kv_cache([layer.self_attn for layer in model.model.layers], 12, 4, "cpu")
+    backend = "torch" if type(ops).__name__ == "TorchOps" else "triton"
+    outs = []
+    for lo, hi in chunks:
+        pos = torch.arange(lo, hi)
+        meta = build_attention_metadata(tables, hi - lo, pos, 4, hi, None, backend)
+        hidden, _ = model(ids[lo:hi], pos, meta)
+        outs += [hidden, model.compute_logits(hidden), model.greedy_tokens(hidden)]
+    return outs
+
+
+@torch.inference_mode()
+def test_triton_backend_matches_portable_path(tmp_path):
+    """Whole forwards on the Triton backend (Triton's interpreter on a CPU: fused rotary +
+    KV write from the YaRN table, paged attention with sinks and the sliding layer's
+    window, fused routing, grouped experts with biases and the clamped SwiGLU, GEMVs)
+    equal the portable path: a 36-row prefill chunk (cuBLAS linears, prefill packs) and a
+    4-row verify (GEMVs, split attention) over the cache the chunk before wrote (5
+    windows of the sliding layer)."""
+    pytest.importorskip("triton")
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.ops import TORCH_OPS, make_ops
+    make_gpt_oss_model(tmp_path, num_layers=2)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (40,))
+    tables = torch.tensor([[2, 0, 3, 1, 6, 4, 7, 5, 8, 11, 9, 10]])
+    chunks = ((0, 36), (36, 40))
+    got = _forwards(tmp_path, make_ops(KernelSettings(triton=True)), chunks, tables, ids)
+    ref = _forwards(tmp_path, TORCH_OPS, chunks, tables, ids)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -18,8 +18,8 @@ Parameters keep the checkpoint's names and layouts (experts stacked as [E, H, 2I
 are dequantized at load (quant/mxfp4.py).
 
 The metadata the engine builds is full-causal (this config's `sliding_window` is None):
-each sliding layer narrows it to its own window (`layer_window`). Attention runs on the
-portable path (no Triton kernel has sinks yet: `supports_triton = False`).
+each sliding layer narrows it to its own window (`layer_window`), and passes it with its
+sinks to the backend (layers/attention.py windowed_attention, or the Triton kernel).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import check_rope
 from onespec.models.deepseek_v3 import MLARotary
 from onespec.models.llama import Attention, DecoderConfig, check_field_types
-from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM
+from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM, Router
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -126,46 +126,13 @@ class GptOssRMSNorm(RMSNorm):
         return (self.weight.float() * normed).to(x.dtype)
 
 
-def sink_attention(q: torch.Tensor,              # [T, Hq, D]
-                   k_cache: torch.Tensor,        # [slots, Hkv, D]
-                   v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float,
-                   sinks: torch.Tensor,          # [Hq] sink logits
-                   window: int | None) -> torch.Tensor:   # [T, Hq, D]
-    """Paged attention (torch metadata: kv_slots, mask) whose softmax has one more column
-    per head, the sink, dropped after normalisation; `window` narrows the mask to keys
-    j > p - window. Scores and softmax in float32."""
-    keys = k_cache[meta.kv_slots]                                          # [B, KV, Hkv, D]
-    values = v_cache[meta.kv_slots]
-    groups = q.shape[1] // k_cache.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=2)
-        values = values.repeat_interleave(groups, dim=2)
-    b, kv = meta.kv_slots.shape
-    queries = q.new_zeros(b, meta.max_q, q.shape[1], q.shape[2])
-    queries[meta.token_req, meta.token_idx] = q
-    scores = torch.einsum("bqhd,bkhd->bhqk", queries.float(), keys.float()) * scale
-    mask = meta.mask                                                       # [B, 1, Q, KV]
-    if window is not None:
-        q_pos = torch.full((b, meta.max_q), -1, dtype=torch.int64, device=q.device)
-        q_pos[meta.token_req, meta.token_idx] = meta.positions
-        key = torch.arange(kv, device=q.device)
-        # padding rows (position -1) keep their one key 0, as the mask gives them
-        mask = mask & ((key[None, None, :] > q_pos[:, :, None] - window)
-                       | (q_pos[:, :, None] < 0)).unsqueeze(1)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(b, -1, meta.max_q, 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(q.dtype)
-    return out[meta.token_req, meta.token_idx]
-
-
 class GptOssAttention(Attention):
     """Llama's packed-qkv attention with an output bias, per-head sinks, and the layer's
-    own sliding window (None: full attention)."""
+    own sliding window (None: full attention); the backend reads `sinks` and `window`
+    (layers/ops.py layer_extras)."""
 
-    def __init__(self, cfg: GptOssConfig, window: int | None):
-        super().__init__(cfg)
+    def __init__(self, cfg: GptOssConfig, window: int | None, ops: TorchOps = TORCH_OPS):
+        super().__init__(cfg, ops=ops)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.window = window
@@ -173,78 +140,123 @@ class GptOssAttention(Attention):
     def forward(self, x, positions, rotary, meta: AttentionMetadata):
         """x [T, H] (normed) -> o_proj(attention) [T, H]; writes this step's keys and values
         to the cache."""
-        q, k, v = self.project(x, positions, rotary)
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = sink_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sinks,
-                             self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.ops.attention(self, x, positions, rotary, meta)          # [T, Hq·D]
+        return self.ops.linear(self.o_proj, out)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[..., 2I] with gate and up interleaved (even, odd columns) -> [..., I]."""
-    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+def swiglu_halves(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
+    """gpt-oss's clamped SwiGLU of gate and up [..., I] -> [..., I]."""
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
-class GptOssExperts(nn.Module):
-    """Stacked experts in the checkpoint's layout: gate_up_proj [E, H, 2I] (x @ W), its bias
-    [E, 2I], down_proj [E, I, H], its bias [E, H]."""
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[..., 2I] with gate and up interleaved (even, odd columns: the checkpoint's order)
+    -> [..., I]."""
+    return swiglu_halves(gate_up[..., 0::2], gate_up[..., 1::2], alpha, limit)
 
-    def __init__(self, cfg: GptOssConfig):
+
+class GptOssRouter(Router):
+    """gpt-oss's rule: the top-k router logits, a softmax over those k (in the logits'
+    dtype). The same weights as a softmax over all experts renormalised over the top k
+    (`norm_topk_prob`), which is how the Triton backend's fused routing computes them."""
+
+    def route(self, logits, bias=None):
+        top, ids = logits.topk(self.top_k, dim=-1)
+        return top.softmax(-1), ids
+
+
+class GptOssExperts(nn.Module):
+    """Stacked experts, loaded in the checkpoint's layout: gate_up_proj [E, H, 2I] (x @ W,
+    gate and up in alternate columns), gate_up_proj_bias [E, 2I] (alike), down_proj
+    [E, I, H], down_proj_bias [E, H]. `fuse_projections` (after loading) turns them into
+    models/moe.py's Experts layout, which the grouped Triton kernels read: gate_up_proj
+    [E, 2I, H] (gate rows, then up rows), its bias [gate; up], down_proj [E, H, I]."""
+
+    def __init__(self, cfg: GptOssConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
         e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.fused = False
+        self.ops = ops
 
-    def forward(self, x, ids, weights):
-        """x [T, H], ids / weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x).
-        Up to GATHER_MAX_PAIRS pairs gather their experts' weights (no host sync); more
-        loop over the experts the batch reaches."""
+    @torch.no_grad()
+    def fuse_projections(self):
+        """Checkpoint layout -> [E, 2I, H] gate-then-up rows and [E, H, I] (once)."""
+        if self.fused:
+            return
+        gate_up = self.gate_up_proj.data
+        w = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)      # [E, H, 2I]
+        self.gate_up_proj = nn.Parameter(w.transpose(1, 2).contiguous(), requires_grad=False)
+        b = self.gate_up_proj_bias.data
+        self.gate_up_proj_bias = nn.Parameter(torch.cat([b[:, 0::2], b[:, 1::2]], -1),
+                                              requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.data.transpose(1, 2).contiguous(),
+                                      requires_grad=False)
+        self.fused = True
+
+    def kernel_extras(self) -> dict:
+        """What the grouped Triton kernels take besides the weights (kernels/moe.py)."""
+        return dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                    swiglu=(self.alpha, self.limit))
+
+    def forward(self, x, logits, router: Router):
+        """x [T, H], router logits [T, E] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
+        if not self.fused:
+            raise RuntimeError("GptOssExperts runs after fuse_projections (load_target)")
+        return self.ops.routed_experts(self, x, logits, router)
+
+    def _act(self, gate_up):
+        """[..., 2I] (gate half, up half) -> clamped SwiGLU [..., I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return swiglu_halves(gate, up, self.alpha, self.limit)
+
+    def portable(self, x, ids, weights):
+        """x [T, H], ids / weights [T, k] -> the weighted sum of the chosen experts, through
+        PyTorch. Up to GATHER_MAX_PAIRS pairs gather their experts' weights (no host sync);
+        more loop over the experts the batch reaches."""
+        w_gu, b_gu, w_d, b_d = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                self.down_proj_bias)
         if ids.numel() <= GATHER_MAX_PAIRS:
-            gate_up = torch.matmul(x[:, None, None, :], self.gate_up_proj[ids]).squeeze(-2)
-            act = clamped_swiglu(gate_up + self.gate_up_proj_bias[ids], self.alpha,
-                                 self.limit)                                 # [T, k, I]
-            y = torch.matmul(act.unsqueeze(-2), self.down_proj[ids]).squeeze(-2) \
-                + self.down_proj_bias[ids]                                   # [T, k, H]
+            gate_up = torch.matmul(w_gu[ids], x[:, None, :, None]).squeeze(-1) + b_gu[ids]
+            act = self._act(gate_up)                                          # [T, k, I]
+            y = torch.matmul(w_d[ids], act.unsqueeze(-1)).squeeze(-1) + b_d[ids]
             return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            act = clamped_swiglu(x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e],
-                                 self.alpha, self.limit)
-            y = (act @ self.down_proj[e] + self.down_proj_bias[e]) * weights[rows, slot, None]
+            act = self._act(F.linear(x[rows], w_gu[e], b_gu[e]))
+            y = F.linear(act, w_d[e], b_d[e]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
 
 class GptOssMoE(nn.Module):
-    """router (a linear layer with bias; softmax over the top-k logits) and experts."""
+    """router (a linear layer with bias) and experts."""
 
-    def __init__(self, cfg: GptOssConfig):
+    def __init__(self, cfg: GptOssConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
-        self.experts = GptOssExperts(cfg)
-        self.top_k = cfg.num_experts_per_tok
+        self.experts = GptOssExperts(cfg, ops)
+        self.route = GptOssRouter(cfg.num_experts_per_tok, sigmoid=False, norm_topk_prob=True)
 
     def forward(self, x):
-        top, ids = self.router(x).topk(self.top_k, dim=-1)
-        weights = top.softmax(-1)
-        return self.experts(x, ids, weights)
+        return self.experts(x, self.router(x), self.route)
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: GptOssConfig, layer_idx: int):
+    def __init__(self, cfg: GptOssConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GptOssAttention(cfg, cfg.window_of(layer_idx))
+        self.self_attn = GptOssAttention(cfg, cfg.window_of(layer_idx), ops)
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GptOssMoE(cfg)
+        self.mlp = GptOssMoE(cfg, ops)
 
     def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
                 last: bool = False):
@@ -258,13 +270,17 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(PagedCausalLM):
+    """Built with the engine's backend: on Triton, attention runs the paged kernel with the
+    layer's sinks and window, experts the grouped kernels with biases and the clamped
+    SwiGLU; norms and residual adds stay PyTorch (gpt-oss applies the norm weight in
+    float32). No step syncs with the host, so generation steps are graph-captured."""
     config_class = GptOssConfig
-    supports_triton = False     # sinks are not in the Triton attention kernel yet
-    triton_tree_masks = False
+    supports_triton = True
+    triton_tree_masks = False   # (trees are refused anyway: sliding layers)
     supports_tensor_parallel = False
 
     def __init__(self, cfg: GptOssConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__(cfg, lambda i: GptOssDecoderLayer(cfg, i), ops)
+        super().__init__(cfg, lambda i: GptOssDecoderLayer(cfg, i, ops), ops)
         self.model.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
@@ -276,3 +292,7 @@ class GptOssForCausalLM(PagedCausalLM):
         c = self.config
         self.rotary = MLARotary(c.head_dim, max_positions, c.rope_theta, c.rope_scaling,
                                 interleave=False, device=device)
+        # neox halves, one [P, D] cos/sin table (YaRN-scaled): the fused rotary kernels
+        # read it as they read RotaryEmbedding's
+        half = c.head_dim // 2
+        self.rotary.fused_ok = c.head_dim % 2 == 0 and half & (half - 1) == 0

@@ -29,13 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import check_rope
 from onespec.models.deepseek_v3 import MLARotary
 from onespec.models.llama import Attention, DecoderConfig, check_field_types
-from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM, Router
+from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM, Router, mlp_step
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -137,12 +136,6 @@ class GptOssAttention(Attention):
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.window = window
 
-    def forward(self, x, positions, rotary, meta: AttentionMetadata):
-        """x [T, H] (normed) -> o_proj(attention) [T, H]; writes this step's keys and values
-        to the cache."""
-        out = self.ops.attention(self, x, positions, rotary, meta)          # [T, Hq·D]
-        return self.ops.linear(self.o_proj, out)
-
 
 def swiglu_halves(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
     """gpt-oss's clamped SwiGLU of gate and up [..., I] -> [..., I]."""
@@ -206,11 +199,12 @@ class GptOssExperts(nn.Module):
         return dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
                     swiglu=(self.alpha, self.limit))
 
-    def forward(self, x, logits, router: Router):
-        """x [T, H], router logits [T, E] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
+    def forward(self, x, logits, router: Router, residual: torch.Tensor | None = None):
+        """x [T, H], router logits [T, E] -> (residual +) sum_j weights[:, j] *
+        expert_{ids[:, j]}(x)."""
         if not self.fused:
             raise RuntimeError("GptOssExperts runs after fuse_projections (load_target)")
-        return self.ops.routed_experts(self, x, logits, router)
+        return self.ops.routed_experts(self, x, logits, router, None, residual)
 
     def _act(self, gate_up):
         """[..., 2I] (gate half, up half) -> clamped SwiGLU [..., I]."""
@@ -246,8 +240,15 @@ class GptOssMoE(nn.Module):
         self.experts = GptOssExperts(cfg, ops)
         self.route = GptOssRouter(cfg.num_experts_per_tok, sigmoid=False, norm_topk_prob=True)
 
-    def forward(self, x):
-        return self.experts(x, self.router(x), self.route)
+    takes_residual = True    # forward(x, residual, ...) (models/moe.py mlp_step)
+
+    def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
+        """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None)."""
+        ops = self.experts.ops
+        out = self.experts(x, ops.linear(self.router, x), self.route, residual)
+        if residual is None:
+            return out
+        return out, None if next_norm is None else ops.norm(next_norm, out)
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -257,23 +258,25 @@ class GptOssDecoderLayer(nn.Module):
         self.self_attn = GptOssAttention(cfg, cfg.window_of(layer_idx), ops)
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMoE(cfg, ops)
+        self.ops = ops
 
     def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
                 last: bool = False):
         """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
         or None), x the input norm the layer before left (or None)."""
+        ops = self.ops
         if x is None:
-            x = self.input_layernorm(h)
-        h = h + self.self_attn(x, positions, rotary, meta)
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, None if next_norm is None else next_norm(h)
+            x = ops.norm(self.input_layernorm, h)
+        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
+        h, x = ops.add_full_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
+        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class GptOssForCausalLM(PagedCausalLM):
     """Built with the engine's backend: on Triton, attention runs the paged kernel with the
     layer's sinks and window, experts the grouped kernels with biases and the clamped
-    SwiGLU; norms and residual adds stay PyTorch (gpt-oss applies the norm weight in
-    float32). No step syncs with the host, so generation steps are graph-captured."""
+    SwiGLU, linears and norms the GEMV and row kernels. No step syncs with the host, so
+    generation steps are graph-captured."""
     config_class = GptOssConfig
     supports_triton = True
     triton_tree_masks = False   # (trees are refused anyway: sliding layers)

@@ -13,8 +13,9 @@ Per layer, for query row at position p (docs/DECODING.md, "gpt-oss"):
                 y = ((u + 1) * g * sigmoid(alpha * g)) W_d[e] + b_d[e]
 
 Rotary is YaRN (`rope_type` "yarn", neox halves, cos/sin scaled by the attention factor).
-Parameters keep the checkpoint's names and layouts (experts stacked as [E, H, 2I] and
-[E, I, H]); q/k/v are packed into qkv_proj like the Llama family's. MXFP4 expert weights
+Parameters keep the checkpoint's names (experts load as [E, H, 2I] and [E, I, H], then
+are re-laid out for the grouped kernels); q/k/v are packed into qkv_proj like the Llama
+family's. MXFP4 expert weights
 are dequantized at load (quant/mxfp4.py).
 
 The metadata the engine builds is full-causal (this config's `sliding_window` is None):

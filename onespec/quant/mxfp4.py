@@ -55,6 +55,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales "
                          f"{tuple(scales.shape)} do not match: blocks must be [..., G, 16] "
                          "for scales [..., G]")
+    if blocks.dim() > 2 and blocks.shape[0] > 1:     # one expert at a time: bounded scratch
+        return torch.stack([dequantize_mxfp4(b, s, dtype) for b, s in zip(blocks, scales)])
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)   # [..., G, 32]
     values = table[codes.long()]

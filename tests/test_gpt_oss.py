@@ -117,6 +117,26 @@ def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
     assert err.median() <= 1.5 * hf_err.median()
 
 
+@torch.no_grad()
+def test_training_features_match_transformers(gpt_oss):
+    """EAGLE-3 training's dense forward of the target (train/features.py) keeps the sinks
+    and the sliding layers' windows: its captured residual streams and logits equal
+    transformers' hidden states and logits."""
+    from onespec.train.features import dense_forward
+    path, hf, _ = gpt_oss
+    model = LLM(path, dtype="float32", device="cpu").engine.model
+    prompt = PROMPTS[-1]
+    ids = torch.tensor([prompt])
+    hidden, captured = dense_forward(model, ids, (0, 2))
+    ref = hf(ids, output_hidden_states=True)
+    h = hf.config.hidden_size
+    for i, layer in enumerate((0, 2)):
+        torch.testing.assert_close(captured[0, :, i * h:(i + 1) * h],
+                                   ref.hidden_states[layer + 1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.compute_logits(hidden[0]), ref.logits[0], atol=1e-4,
+                               rtol=1e-4)
+
+
 def test_clamped_swiglu_worked_example():
     # columns: gate0, up0, gate1, up1 (interleaved)
     gate_up = torch.tensor([[10.0, -10.0, 1.0, 0.5]])

@@ -244,8 +244,11 @@ class GptOssMoE(nn.Module):
     takes_residual = True    # forward(x, residual, ...) (models/moe.py mlp_step)
 
     def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
-        """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None)."""
+        """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None).
+        (x [B, T, H], as training's dense forward passes it, is routed as rows.)"""
         ops = self.experts.ops
+        if x.dim() > 2:
+            return self(x.reshape(-1, x.shape[-1])).view(x.shape)
         out = self.experts(x, ops.linear(self.router, x), self.route, residual)
         if residual is None:
             return out

@@ -114,6 +114,12 @@ def engine_features(engine_config, target_cls=None, sliding_window=None,
     return on
 
 
+def target_window(model_config) -> int | None:
+    """The target's window for SLIDING: the window of every layer (`sliding_window`) or of
+    some layers (`layer_window`: gpt-oss alternates sliding and full layers)."""
+    return model_config.sliding_window or getattr(model_config, "layer_window", None)
+
+
 def check_combinations(on: set[str]):
     """Raises UnsupportedCombination for the first refused pair among the features `on`."""
     for refusal in REFUSED:

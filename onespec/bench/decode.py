@@ -37,8 +37,9 @@ import torch
 from tqdm.auto import tqdm
 
 from onespec.bench.hf import run_hf
-from onespec.bench.models import (SHAPES, copy_bandwidth, default_shape, release_memory,
-                                  shape_label, step_floor_parts, sync, write_model_dirs)
+from onespec.bench.models import (GPT_OSS_SHAPES, SHAPES, copy_bandwidth, default_shape,
+                                  release_memory, shape_label, step_floor_parts, sync,
+                                  write_model_dirs)
 from onespec.bench.moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
 from onespec.speculative.cost_model import expected_tokens
@@ -77,10 +78,12 @@ def parse_args(argv):
     p.add_argument("--trials", type=int, default=3,
                    help="timed runs of --gen-len tokens per onespec configuration; step_ms "
                         "is their median (each run's in step_ms_trials); transformers: one")
-    p.add_argument("--shape", default=None, choices=sorted(SHAPES) + sorted(MTP_SHAPES),
-                   help="MLA + MoE shapes (%s) draft with their MTP layer; default: "
-                        "llama3-8b on a GPU where its weights fit, else tiny"
-                        % ", ".join(MTP_SHAPES))
+    p.add_argument("--shape", default=None,
+                   choices=sorted(SHAPES) + sorted(GPT_OSS_SHAPES) + sorted(MTP_SHAPES),
+                   help="MLA + MoE shapes (%s) draft with their MTP layer, gpt-oss shapes "
+                        "(%s) with an EAGLE-3 head; default: llama3-8b on a GPU where its "
+                        "weights fit, else tiny"
+                        % (", ".join(MTP_SHAPES), ", ".join(GPT_OSS_SHAPES)))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"], help="where to run")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],

@@ -29,6 +29,26 @@ SHAPES = {
              dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, draft_vocab_size=500)),
 }
+# gpt-oss shapes (EAGLE-3 heads as published for gpt-oss: one layer of 64 heads of 64,
+# draft vocabulary 32,000): name -> (label, target config.json fields, head fields)
+GPT_OSS_SHAPES = {
+    "gpt-oss-20b": ("gpt-oss-20b-shape",
+                    dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                         vocab_size=201088),
+                    dict(hidden_size=2880, intermediate_size=17280, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, draft_vocab_size=32000)),
+    "tiny-gpt-oss": ("tiny-gpt-oss-shape",
+                     dict(hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                          vocab_size=1000),
+                     dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, draft_vocab_size=500)),
+}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
 COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
               max_position_embeddings=131072, tie_word_embeddings=False)
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
@@ -66,12 +86,19 @@ def default_shape(device: str, dtype: torch.dtype) -> tuple[str, str]:
 
 
 def shape_label(shape: str) -> str:
-    return MTP_SHAPES[shape][0] if shape in MTP_SHAPES else SHAPES[shape][0]
+    return (MTP_SHAPES.get(shape) or GPT_OSS_SHAPES.get(shape) or SHAPES[shape])[0]
 
 
 def target_config(shape: str) -> dict:
     if shape in MTP_SHAPES:
         return mtp_target_config(shape)
+    if shape in GPT_OSS_SHAPES:
+        _, target, _ = GPT_OSS_SHAPES[shape]
+        return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **target,
+                "rope_theta": 150000.0, "rope_scaling": GPT_OSS_ROPE, "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                "attention_bias": True, "swiglu_limit": 7.0, "bos_token_id": 1,
+                "eos_token_id": 2}
     _, target, _ = SHAPES[shape]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **target, **COMMON,
             "head_dim": target["hidden_size"] // target["num_attention_heads"],
@@ -87,7 +114,7 @@ def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(target_config(shape), f, indent=2)
         return path, None
-    _, target, head = SHAPES[shape]
+    _, target, head = GPT_OSS_SHAPES.get(shape) or SHAPES[shape]
     head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **head,
                 "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
                 "target_hidden_size": target["hidden_size"], **COMMON}
@@ -166,12 +193,32 @@ def release_memory(device: str):
         torch.cuda.empty_cache()
 
 
+def windowed_kv_bytes(attn_layers, batch: int, k: int, kv_tokens: float) -> float:
+    """KV bytes the target's layers read for `kv_tokens` keys summed over the batch: a
+    sliding layer (`window` set) reads at most window + k keys a request."""
+    out = 0.0
+    for a in attn_layers:
+        window = getattr(a, "window", None)
+        keys = kv_tokens if window is None else min(kv_tokens, batch * (window + k))
+        out += keys * kv_bytes_per_token([a])
+    return out
+
+
 def step_floor_parts(engine, batch: int, k: int, kv_tokens: float) -> dict[str, float]:
-    """step_bytes (or moe_step_bytes) of `engine` at draft length k: {target, head, kv}."""
+    """step_bytes (or moe_step_bytes) of `engine` at draft length k: {target, head, kv};
+    an MoE target with an EAGLE-3 head counts its experts as moe_step_bytes does and its
+    head as step_bytes does."""
     head = engine.drafter.head if engine.drafter is not None else None
-    target_kv = kv_bytes_per_token([layer.self_attn for layer in engine.model.model.layers])
+    layers = [layer.self_attn for layer in engine.model.model.layers]
+    target_kv = kv_bytes_per_token(layers)
     head_kv = kv_bytes_per_token(engine.drafter.attention_layers) if head is not None else 0
-    if isinstance(engine.drafter, MTPDrafter) or is_moe(engine.model):
+    if isinstance(engine.drafter, MTPDrafter):
         return moe_step_bytes(engine.model, engine.drafter, batch, k, kv_tokens, target_kv,
                               head_kv)
-    return step_bytes(engine.model, head, batch, k, kv_tokens, target_kv, head_kv)
+    out = step_bytes(engine.model, head, batch, k, kv_tokens, target_kv, head_kv)
+    if is_moe(engine.model):
+        out["target"] = moe_step_bytes(engine.model, None, batch, k, kv_tokens, target_kv,
+                                       0)["target"]
+    if any(getattr(a, "window", None) is not None for a in layers):
+        out["kv"] += windowed_kv_bytes(layers, batch, k, kv_tokens) - kv_tokens * target_kv
+    return out

@@ -8,6 +8,7 @@ step's rows are expected to reach: at batch 1 exactly the active ones.
 """
 from __future__ import annotations
 
+from onespec.models.gpt_oss import GptOssExperts
 from onespec.models.moe import Experts
 
 MTP_SHAPES = {
@@ -45,14 +46,19 @@ def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
+def _expert_modules(module) -> list:
+    """The stacked-expert modules under `module` (models/moe.py's Experts, gpt-oss's)."""
+    return [m for m in module.modules() if isinstance(m, (Experts, GptOssExperts))]
+
+
 def _layer_bytes(module, rows: int, top_k: int) -> float:
     """Weights a pass over `rows` tokens reads: all but the experts, plus those reached."""
-    experts = [m for m in module.modules() if isinstance(m, Experts)]
+    experts = _expert_modules(module)
     expert_ids = {id(p) for e in experts for p in e.parameters()}
     out = float(_nbytes(p for p in module.parameters() if id(p) not in expert_ids))
     for e in experts:
-        per_expert = _nbytes(e.parameters()) / e.num_experts
-        out += per_expert * expected_experts(e.num_experts, top_k, rows)
+        num = e.gate_up_proj.shape[0]
+        out += _nbytes(e.parameters()) / num * expected_experts(num, top_k, rows)
     return out
 
 
@@ -80,7 +86,7 @@ def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
 
 
 def is_moe(model) -> bool:
-    return any(isinstance(m, Experts) for m in model.modules())
+    return bool(_expert_modules(model))
 
 
 def hf_weight_bytes(model, rows: int) -> float:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from onespec.combinations import (GRAMMAR, check_combinations, engine_features, graphs_allowed,
-                                  spec_features)
+                                  spec_features, target_window)
 from onespec.config import AUTO_DRAFT_LEN, EngineConfig, SpeculativeConfig, as_speculative_config
 from onespec.distributed import WorkerFailure
 from onespec.distributed.ranks import Rank0Driver, start_ranks
@@ -99,7 +99,7 @@ class Engine:
         worker, drafter, k = parts.worker, parts.drafter, parts.max_draft_len
         self.acceptor = worker.acceptor         # the acceptance rule, for the engine's life
         mcfg = self.model.config
-        self.features |= engine_features(config, sliding_window=mcfg.sliding_window)
+        self.features |= engine_features(config, sliding_window=target_window(mcfg))
         self.tokenizer = load_tokenizer(config.model)
         # a model drafter runs in the step; host drafts (the suffix-automaton enhancer, the
         # n-gram drafter) are set in _finish_step

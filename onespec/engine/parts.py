@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onespec.combinations import check_combinations, engine_features
+from onespec.combinations import check_combinations, engine_features, target_window
 from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.distributed import TensorParallel
 from onespec.distributed.layers import tensor_parallel_ops
@@ -65,7 +65,7 @@ class RankParts:
         b = _Builder(config, sc, parallel)
         model = b.load_target()
         mcfg = model.config
-        check_combinations(features | engine_features(config, sliding_window=mcfg.sliding_window))
+        check_combinations(features | engine_features(config, sliding_window=target_window(mcfg)))
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")

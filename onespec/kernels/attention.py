@@ -2,7 +2,8 @@
 
 One program per (query row, kv head) handles the kv head's group of query heads, walks the
 row's visible key positions [max(0, pos - window + 1), pos] in tiles of BLOCK_N through the
-request's block table, and keeps an online softmax. Prefill chunks, K+1 verify rows and
+request's block table, and keeps an online softmax (started from the head's sink logit, a
+key of value zero, where the launch has sinks). Prefill chunks, K+1 verify rows and
 single-token draft rows are all just rows with a request index and a position, so one
 kernel serves all three, and its metadata is built on the device (CUDA-graph safe).
 
@@ -171,7 +172,7 @@ def _softmax_step(s, visible, v, scale, m, l, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
-        TREE_MASK, TREE_BASE, ROW_PACKS,
+        TREE_MASK, TREE_BASE, ROW_PACKS, SINKS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
         stride_tm, scale, window, num_kv_heads, tree_width,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -179,7 +180,7 @@ def _paged_attention_kernel(
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
         MERGE_ROWS: tl.constexpr = 16, TREE: tl.constexpr = False,
-        VARLEN: tl.constexpr = False):
+        VARLEN: tl.constexpr = False, HAS_SINKS: tl.constexpr = False):
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
@@ -234,8 +235,15 @@ def _paged_attention_kernel(
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
     q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=rows_mask, other=0.0)                              # [G, D]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS:
+        # the head's sink is one more key of logit SINKS[head] and value 0: the state starts
+        # from it in the split holding the first key tile (once per row, whatever the split)
+        has_sink = tl.where(t0 == t_lo, g_ok, False)
+        m = tl.load(SINKS + head, mask=has_sink, other=float("-inf")).to(tl.float32)
+        l = tl.where(has_sink, 1.0, 0.0)
+    else:
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     if TREE:   # after the PDL wait: the rows' tree blocks (an input of the step)
         base = tl.load(TREE_BASE + row, mask=g_ok, other=0)            # [G]
@@ -428,7 +436,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
                     pack_tile_rows: int = PACK_TILE_ROWS, split_programs: int | None = None,
                     tree_mask: torch.Tensor | None = None,
                     tree_base: torch.Tensor | None = None,
-                    packs: Callable[[int], torch.Tensor | None] | None = None):
+                    packs: Callable[[int], torch.Tensor | None] | None = None,
+                    sinks: torch.Tensor | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
@@ -453,7 +462,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     packs (launches without splits or rows_per_request): packs(rows) gives the launch's
     row_packs of up to `rows` rows (AttentionMetadata.row_packs), or None; each program
     then takes one pack, reading each key tile once for its rows. A row's result does not
-    depend on its pack (as above)."""
+    depend on its pack (as above).
+
+    sinks [Hq] (gpt-oss's attention sinks): each head's softmax has one more logit,
+    sinks[h], whose value is zero: the weights on the keys sum to less than one."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -509,6 +521,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         q, k_cache, v_cache, block_tables, token_req, positions, out, part_o, part_ml, tickets,
         tree_mask if tree else out, tree_base if tree else positions,
         pack_table if varlen else positions,
+        sinks.float().contiguous() if sinks is not None else out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         tree_mask.stride(0) if tree else 0, scale, window or NO_WINDOW,
@@ -518,6 +531,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
         MERGE_ROWS=triton.next_power_of_2(pack * group), TREE=tree, VARLEN=varlen,
+        HAS_SINKS=sinks is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))

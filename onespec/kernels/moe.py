@@ -9,6 +9,8 @@ tile); a program whose expert has no pair leaves before reading anything:
     gate_up   h[pair]   = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T)     [P, I]
     down      y[pair]   = weight[pair] * h[pair] W_down[e]^T                    [P, H]
 
+(gpt-oss: biases on both, and its clamped SwiGLU in place of silu(gate) * up.)
+
 A program walks its expert's pairs in tiles of BLOCK_M, so an expert's weight tile is
 read once per BLOCK_M pairs (once per step at decode batch sizes). y is written at each
 pair's place in the unsorted [T, top_k] order and summed over top_k in float32, in the
@@ -45,11 +47,13 @@ def _scaled(part, S, n, n_ok, k0, stride_sn, SCALED: tl.constexpr, BO: tl.conste
 
 
 @triton.jit
-def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, S, hidden, inter,
-                    stride_xt, stride_we, stride_wn, stride_ht, stride_se, stride_sn,
+def _gate_up_kernel(X, W, B, PAIR_TOKEN, OFFSETS, H_OUT, S, hidden, inter,
+                    stride_xt, stride_we, stride_wn, stride_be, stride_ht, stride_se,
+                    stride_sn, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr, SCALED: tl.constexpr, BO: tl.constexpr,
-                    BI: tl.constexpr):
+                    BI: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+                    CLAMPED: tl.constexpr = False):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -79,17 +83,27 @@ def _gate_up_kernel(X, W, PAIR_TOKEN, OFFSETS, H_OUT, S, hidden, inter,
         if SCALED == 1:
             acc_g = acc_g * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
             acc_u = acc_u * tl.load(s_base + inter + n, mask=n_ok, other=0.0)[None, :]
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if HAS_BIAS:
+            acc_g += tl.load(B + e.to(tl.int64) * stride_be + n, mask=n_ok,
+                             other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(B + e.to(tl.int64) * stride_be + inter + n, mask=n_ok,
+                             other=0.0).to(tl.float32)[None, :]
+        if CLAMPED:     # gpt-oss: (clamp(u) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit)
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(H_OUT + m[:, None].to(tl.int64) * stride_ht + n[None, :],
                  h.to(H_OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, S, hidden, inter,
-                 stride_ht, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
+def _down_kernel(H, W, B, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, S, hidden, inter,
+                 stride_ht, stride_we, stride_wn, stride_be, stride_yt, stride_se, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr, SCALED: tl.constexpr, BO: tl.constexpr,
-                 BI: tl.constexpr):
+                 BI: tl.constexpr, HAS_BIAS: tl.constexpr = False):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
@@ -112,6 +126,9 @@ def _down_kernel(H, W, PAIR_SLOT, PAIR_WEIGHT, OFFSETS, Y, S, hidden, inter,
                            SCALED, BO, BI)
         if SCALED == 1:
             acc = acc * tl.load(s_base + n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(B + e.to(tl.int64) * stride_be + n, mask=n_ok,
+                           other=0.0).to(tl.float32)[None, :]
         weight = tl.load(PAIR_WEIGHT + m, mask=m_ok, other=0.0)
         slot = tl.load(PAIR_SLOT + m, mask=m_ok, other=0).to(tl.int64)
         tl.store(Y + slot[:, None] * stride_yt + n[None, :], acc * weight[:, None],
@@ -171,12 +188,17 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
                     routing: Routing,
                     residual: torch.Tensor | None = None,
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    block: tuple[int, int] | None = None) -> torch.Tensor:  # [T, H], x's dtype
-    """(residual +) sum_j weights[:, j] * expert_{ids[:, j]}(x), each expert being
-    down(silu(gate(x)) * up(x)); only the routed experts' weights are read. The sum and
-    the residual's add are one kernel (_combine_kernel). FP8 experts: e4m3 gate_up / down
-    with `scales` (gate_up's, down's): float32 [E, rows] per row, or [E, ceil(rows/bo),
-    ceil(cols/bi)] per `block`."""
+                    block: tuple[int, int] | None = None,
+                    gate_up_bias: torch.Tensor | None = None,    # [E, 2I]
+                    down_bias: torch.Tensor | None = None,       # [E, H]
+                    swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """(residual +) sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H] in x's dtype, each
+    expert being down(silu(gate(x)) * up(x)); only the routed experts' weights are read.
+    The sum and the residual's add are one kernel (_combine_kernel). FP8 experts: e4m3
+    gate_up / down with `scales` (gate_up's, down's): float32 [E, rows] per row, or
+    [E, ceil(rows/bo), ceil(cols/bi)] per `block`. gpt-oss's experts: the biases added to
+    gate/up and down, and swiglu = (alpha, limit) for its clamped activation
+    (models/gpt_oss.py clamped_swiglu)."""
     num_tokens, top_k = routing.ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -205,17 +227,22 @@ def grouped_experts(x: torch.Tensor,            # [T, H]
             raise ValueError(f"grouped_experts: scale blocks {block} need BLOCK_K {block_k} "
                              "to divide their columns")
     sn = (lambda s: s.stride(1)) if block else (lambda s: 0)      # noqa: E731
+    gu_bias = gate_up_bias.contiguous() if gate_up_bias is not None else gate_up
+    d_bias = down_bias.contiguous() if down_bias is not None else down
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, gate_up, routing.pair_token, routing.offsets, h, s_gu, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        s_gu.stride(0) if scales is not None else 0, sn(s_gu),
+        x, gate_up, gu_bias, routing.pair_token, routing.offsets, h, s_gu, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0),
+        s_gu.stride(0) if scales is not None else 0, sn(s_gu), float(alpha), float(limit),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **quant,
+        HAS_BIAS=gate_up_bias is not None, CLAMPED=swiglu is not None,
         num_warps=warps, num_stages=stages)
     _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
-        h, down, routing.slots, routing.pair_weight, routing.offsets, y, s_down, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        s_down.stride(0) if scales is not None else 0, sn(s_down),
+        h, down, d_bias, routing.slots, routing.pair_weight, routing.offsets, y, s_down,
+        hidden, inter, h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0),
+        y.stride(0), s_down.stride(0) if scales is not None else 0, sn(s_down),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **quant,
+        HAS_BIAS=down_bias is not None,
         num_warps=warps, num_stages=stages)
     res = residual if residual is not None else out
     if res.stride(-1) != 1:

@@ -6,7 +6,8 @@
   built on the device, so a step can be captured in a CUDA graph.
 
 Either way a query row at position p sees cache positions j <= p (and j > p - window with a
-sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft rows.
+sliding window), so one forward mixes prefill chunks, K+1 verify rows and draft rows. A
+layer may narrow the window itself and add attention sinks (gpt-oss: windowed_attention).
 """
 from __future__ import annotations
 
@@ -113,3 +114,41 @@ def advance_decode_metadata(meta: AttentionMetadata, positions: torch.Tensor
         mask &= key > positions[:, None] - meta.sliding_window
     return replace(meta, positions=positions, slots=meta.kv_slots[rows, positions],
                    mask=mask[:, None, None, :])
+
+
+def windowed_attention(q: torch.Tensor,              # [T, Hq, D]
+                       k_cache: torch.Tensor,        # [slots, Hkv, D]
+                       v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float,
+                       sinks: torch.Tensor | None = None,   # [Hq] sink logits
+                       window: int | None = None) -> torch.Tensor:   # [T, Hq, D]
+    """The portable path's paged attention (torch metadata: kv_slots, mask) for a layer with
+    its own window (keys j > p - window on top of meta's mask) and/or per-head sinks: one
+    more softmax column of logit sinks[h], dropped after normalisation, so the weights on
+    the keys sum to less than one. Scores and softmax in float32."""
+    keys = k_cache[meta.kv_slots]                                          # [B, KV, Hkv, D]
+    values = v_cache[meta.kv_slots]
+    groups = q.shape[1] // k_cache.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=2)
+        values = values.repeat_interleave(groups, dim=2)
+    b, kv = meta.kv_slots.shape
+    queries = q.new_zeros(b, meta.max_q, q.shape[1], q.shape[2])
+    queries[meta.token_req, meta.token_idx] = q
+    scores = torch.einsum("bqhd,bkhd->bhqk", queries.float(), keys.float()) * scale
+    mask = meta.mask                                                       # [B, 1, Q, KV]
+    if window is not None:
+        q_pos = torch.full((b, meta.max_q), -1, dtype=torch.int64, device=q.device)
+        q_pos[meta.token_req, meta.token_idx] = meta.positions
+        key = torch.arange(kv, device=q.device)
+        # padding rows (position -1) keep their one key 0, as the mask gives them
+        mask = mask & ((key[None, None, :] > q_pos[:, :, None] - window)
+                       | (q_pos[:, :, None] < 0)).unsqueeze(1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(b, -1, meta.max_q, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(q.dtype)
+    return out[meta.token_req, meta.token_idx]

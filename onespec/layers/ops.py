@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onespec.kernels.settings import KernelSettings
-from onespec.layers.attention import AttentionMetadata
+from onespec.layers.attention import AttentionMetadata, windowed_attention
 from onespec.layers.norm import RMSNorm
 
 
@@ -68,19 +68,24 @@ class TorchOps:
                            meta: AttentionMetadata) -> torch.Tensor:
         """attention() from the projection qkv [T, (Hq + 2 Hkv) D] -> [T, Hq·D]."""
         q, k, v = attn.heads(qkv, positions, rotary)
-        out = self.paged_attention(q, k, v, attn.k_cache, attn.v_cache, meta, attn.scale)
+        out = self.paged_attention(q, k, v, attn.k_cache, attn.v_cache, meta, attn.scale,
+                                   **layer_extras(attn))
         return out.reshape(-1, attn.q_size)
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+                        scale: float, sinks=None, window=None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D] -> [T, Hq, D]."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        return self.cached_attention(q, k_cache, v_cache, meta, scale)
+        return self.cached_attention(q, k_cache, v_cache, meta, scale, sinks, window)
 
     def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-        """paged_attention once the rows' own keys and values are in the cache."""
+                         scale: float, sinks: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
+        """paged_attention once the rows' own keys and values are in the cache. sinks [Hq]
+        and window: a layer's own (gpt-oss; layers/attention.py windowed_attention)."""
+        if sinks is not None or window is not None:
+            return windowed_attention(q, k_cache, v_cache, meta, scale, sinks, window)
         keys = k_cache[meta.kv_slots].transpose(1, 2)                        # [B, Hkv, KV, D]
         values = v_cache[meta.kv_slots].transpose(1, 2)
         queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])
@@ -124,6 +129,11 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
+
+
+def layer_extras(attn) -> dict:
+    """An attention layer's own sinks and window (gpt-oss), for cached_attention."""
+    return dict(sinks=getattr(attn, "sinks", None), window=getattr(attn, "window", None))
 
 
 def make_ops(settings: KernelSettings) -> TorchOps:

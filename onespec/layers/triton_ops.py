@@ -33,7 +33,7 @@ from onespec.kernels.rows import add_rms_norm, embed_norm_concat, rms_norm, silu
 from onespec.kernels.settings import MAX_ROWS, KernelSettings
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
-from onespec.layers.ops import TorchOps
+from onespec.layers.ops import TorchOps, layer_extras
 from onespec.quant.fp8 import FP8Linear
 
 
@@ -136,7 +136,8 @@ class TritonOps(TorchOps):
                                    meta.block_tables, meta.token_req, meta.block_size,
                                    attn.k_cache, attn.v_cache, attn.num_heads,
                                    attn.num_kv_heads, pdl=self.pdl(self._x(x).device), **tree)
-            out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale)
+            out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale,
+                                        **layer_extras(attn))
             return out.reshape(-1, attn.q_size)
         qkv = self.linear(attn.qkv_proj, x)
         if not rotary.fused_ok:
@@ -146,17 +147,20 @@ class TritonOps(TorchOps):
                            attn.num_heads, attn.num_kv_heads,
                            *((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
                              if attn.qk_norm else ()), pdl=self.pdl(qkv.device), **tree)
-        out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale)
+        out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale,
+                                    **layer_extras(attn))
         return out.reshape(-1, attn.q_size)
 
-    def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         sinks=None, window=None):
         if meta.kv_slots is not None:      # metadata built for the PyTorch path
-            return super().cached_attention(q, k_cache, v_cache, meta, scale)
+            return super().cached_attention(q, k_cache, v_cache, meta, scale, sinks, window)
         return attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
-            meta.block_size, meta.sliding_window, rows_per_request=meta.rows_per_request,
+            meta.block_size, window if window is not None else meta.sliding_window,
+            rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base,
-            packs=meta.row_packs)
+            packs=meta.row_packs, sinks=sinks)
 
     def routed_experts(self, experts, x, logits, router, bias=None, residual=None):
         if not self.rows(x):
@@ -171,9 +175,10 @@ class TritonOps(TorchOps):
         else:
             routing = sort_pairs(*reversed(router.route(logits, bias)), experts.num_experts)
         scales = (experts.gate_up_proj_scale, experts.down_proj_scale) \
-            if experts.quantized else None
+            if getattr(experts, "quantized", False) else None
+        extras = experts.kernel_extras() if hasattr(experts, "kernel_extras") else {}
         return grouped_experts(x, experts.gate_up_proj, experts.down_proj, routing, residual,
-                               scales, experts.block)
+                               scales, experts.block if scales else None, **extras)
 
     def embed_concat(self, ids, table, hidden, embed_norm: RMSNorm, hidden_norm: RMSNorm,
                      embeds=None):

@@ -14,15 +14,18 @@ from onespec.distributed.layers import shard_decoder, shard_weights
 from onespec.engine.memory import require_bytes
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
+from onespec.models.gpt_oss import GptOssForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, checkpoint_keys, init_dummy_weights,
                                    iter_weights, load_weights, read_config)
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 from onespec.quant import fp8
+from onespec.quant.mxfp4 import dequantized_weights
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
 TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+TARGET_MODELS["GptOssForCausalLM"] = GptOssForCausalLM
 
 
 def register_target(architecture: str, cls: type[nn.Module]):
@@ -77,9 +80,13 @@ def load_target(path: str, device, dtype, dummy: bool = False,
     (`dummy`) of an FP8 config are quantized in its layout (its blocks, else per channel)."""
     raw = read_config(path)
     cls = target_class(raw)
-    declared = fp8.checkpoint_scheme(raw, path)
+    qc = raw.get("quantization_config")
+    mxfp4 = isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"   # decoded at load
+    declared = None if mxfp4 else fp8.checkpoint_scheme(raw, path)
     scheme = None if dummy else declared
     cfg = cls.config_class.from_hf(raw)
+    if parallel is not None and not getattr(cls, "supports_tensor_parallel", True):
+        raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet")
     bad_eos = [t for t in cfg.eos_token_ids if t >= cfg.vocab_size]
     if bad_eos:
         raise ValueError(f"{raw.source}: field 'eos_token_id' must hold token ids in "
@@ -107,6 +114,8 @@ def load_target(path: str, device, dtype, dummy: bool = False,
             fp8.quantize_model(model, block=declared.block if declared else None)
         return _fused(model.to(dtype=dtype).eval(), parallel)
     weights = iter_weights(path)
+    if mxfp4:
+        weights = dequantized_weights(weights, dtype)
     if parallel is not None:        # each tensor sliced to this rank's part as it streams
         weights = shard_weights(weights, cfg, parallel)
     what = f"checkpoint {path!r}"

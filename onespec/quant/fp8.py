@@ -52,7 +52,7 @@ DEQUANTIZED_AT_LOAD = ("kv_b_proj",)
 DROPPED_SCALES = (".input_scale", ".k_scale", ".v_scale")
 SUPPORTED = ("'fp8' (e4m3, per block or per tensor), 'compressed-tensors' (FP8 weights: "
              "num_bits 8, type 'float', strategy 'tensor', 'channel' or 'block') and "
-             "'modelopt' (quant_algo 'FP8')")
+             "'modelopt' (quant_algo 'FP8'); and 'mxfp4' (gpt-oss experts, decoded at load)")
 
 
 # ---- dequantization and quantization -------------------------------------------------

@@ -32,11 +32,24 @@ def project_qkv(attn: Attention, x, positions, rotary):
 
 
 def causal_attention(attn: Attention, x, positions, rotary, sliding_window: int | None):
-    """Dense causal self-attention with the module's weights: x [B, T, H] -> [B, T, H]."""
+    """Dense causal self-attention with the module's weights: x [B, T, H] -> [B, T, H]. A
+    layer's own window and sinks (gpt-oss: `window`, `sinks`) apply as in inference."""
     b, t, _ = x.shape
     q, k, v = project_qkv(attn, x, positions, rotary)
     k, v = repeat_kv(k, attn.num_heads), repeat_kv(v, attn.num_heads)
-    if sliding_window is not None and t > sliding_window:
+    sliding_window = getattr(attn, "window", None) or sliding_window
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:
+        i = torch.arange(t, device=x.device)
+        mask = i[None, :] <= i[:, None]
+        if sliding_window is not None:
+            mask &= i[None, :] > i[:, None] - sliding_window
+        scores = (q.float() @ k.float().transpose(-1, -2) * attn.scale).masked_fill(
+            ~mask, float("-inf"))                                           # [B, Hq, T, T]
+        sink = sinks.float().view(1, -1, 1, 1).expand(b, -1, t, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out = (probs @ v.float()).to(q.dtype)
+    elif sliding_window is not None and t > sliding_window:
         i = torch.arange(t, device=x.device)
         mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)

@@ -36,7 +36,8 @@ from onespec.layers.rotary import RotaryEmbedding, check_rope
 from onespec.models.llama import MLP, check_field_types
 from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM")
+SPARSE_ARCHITECTURES = ("DeepseekV32ForCausalLM",)    # DSA: the lightning indexer (dsa.py)
 ROPE_TYPES = ("default", "yarn")
 ABSORB_MAX_ROWS = 16        # requests with at most this many rows attend in absorbed form
 LATENT_NORM_EPS = 1e-6      # q_a_layernorm / kv_a_layernorm (not config.rms_norm_eps)
@@ -104,6 +105,10 @@ class DeepseekV3Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: None = None
+    mlp_layer_types: tuple[str, ...] | None = None    # "dense" / "sparse" per layer
+    index_n_heads: int = 0          # DeepSeek-V3.2's indexer (0: dense attention)
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
@@ -117,8 +122,17 @@ class DeepseekV3Config:
         try:
             theta, scaling = _rope(cfg)
             mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0))
+            arch = next(a for a in archs if a in ARCHITECTURES)
+            types = cfg.get("mlp_layer_types")
+            if types is not None and (not isinstance(types, list) or
+                                      not set(types) <= {"dense", "sparse"}):
+                raise ValueError(f"{getattr(cfg, 'source', 'config.json')}: field "
+                                 "'mlp_layer_types' must be a list of 'dense' / 'sparse', "
+                                 f"got {types!r}")
+            index = _index_fields(cfg, arch)
             return cls(
-                architecture=next(a for a in archs if a in ARCHITECTURES),
+                architecture=arch, **index,
+                mlp_layer_types=None if types is None else tuple(types),
                 vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                 intermediate_size=cfg["intermediate_size"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -147,8 +161,36 @@ class DeepseekV3Config:
             raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.mlp_layer_types is not None and i < len(self.mlp_layer_types):
+            return self.n_routed_experts > 0 and self.mlp_layer_types[i] == "sparse"
         return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace
                 and i % self.moe_layer_freq == 0)
+
+    @property
+    def sparse(self) -> bool:
+        """DeepSeek Sparse Attention: each query attends to its indexer's top-k tokens."""
+        return self.index_topk > 0
+
+
+def _index_fields(cfg: dict, arch: str) -> dict:
+    """The indexer's sizes of a DeepSeek-V3.2 config (none for the dense architectures)."""
+    if arch not in SPARSE_ARCHITECTURES:
+        return {}
+    source = getattr(cfg, "source", "config.json")
+    check_field_types(cfg, source, ("index_n_heads", "index_head_dim", "index_topk",
+                                    "q_lora_rank"))
+    out = {}
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        if cfg.get(name) is None:
+            raise ValueError(f"{source} lacks the required field {name!r} ({arch})")
+        out[name] = cfg[name]
+    if cfg.get("q_lora_rank") is None:
+        raise ValueError(f"{source}: {arch} needs 'q_lora_rank' (the indexer reads the "
+                         "query's low-rank latent)")
+    if out["index_head_dim"] < cfg["qk_rope_head_dim"]:
+        raise ValueError(f"{source}: field 'index_head_dim' ({out['index_head_dim']}) must "
+                         f"be at least qk_rope_head_dim ({cfg['qk_rope_head_dim']})")
+    return out
 
 
 # ---- rotary ----------------------------------------------------------------------------

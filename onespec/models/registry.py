@@ -14,6 +14,7 @@ from onespec.distributed.layers import shard_decoder, shard_weights
 from onespec.engine.memory import require_bytes
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
+from onespec.models.glm4_moe import Glm4MoeForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, init_dummy_weights, iter_weights, load_weights,
                                    read_config)
@@ -22,6 +23,8 @@ from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
 TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+TARGET_MODELS["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
+TARGET_MODELS["Glm4MoeLiteForCausalLM"] = DeepseekV3ForCausalLM     # MLA + GLM's MoE
 
 
 def register_target(architecture: str, cls: type[nn.Module]):

@@ -238,6 +238,9 @@ class MTPConfig(SpeculativeConfig):
     """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP")."""
     num_nextn_predict_layers: int = 1      # K: drafts per step
     use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
+    # DeepSeek-V3.2 (sparse attention): draft steps after the first reuse its indexer
+    # selection instead of scoring again (docs/DECODING.md); no effect on dense targets
+    use_index_share: bool = True
 
     @property
     def max_draft_len(self) -> int:
@@ -250,7 +253,7 @@ class MTPConfig(SpeculativeConfig):
 
     def _check_own(self):
         _check_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 1, 32)
-        _check_bools(self, "use_mtp_vanilla")
+        _check_bools(self, "use_mtp_vanilla", "use_index_share")
 
 
 @dataclass

@@ -84,6 +84,11 @@ class MTPReference(torch.nn.Module):
                                    getattr(modeling, prefix + "RMSNorm"))
         super().__init__()
         h, v = cfg.hidden_size, cfg.vocab_size
+        types = getattr(cfg, "mlp_layer_types", None)
+        if types is not None and layer_idx >= len(types):    # MTP layers are MoE layers
+            import copy
+            cfg = copy.deepcopy(cfg)
+            cfg.mlp_layer_types = list(types) + ["sparse"] * (layer_idx + 1 - len(types))
         self.block = decoder_layer(cfg, layer_idx)
         self.enorm, self.hnorm = rms_norm(h), rms_norm(h)
         self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)

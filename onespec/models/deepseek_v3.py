@@ -280,6 +280,13 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
         self.latent_cache = None     # [num_slots, r + p], set by the KV pool
+        self.indexer = None          # DeepSeek-V3.2's lightning indexer (models/dsa.py)
+        self.index_cache = None      # [num_slots, index_head_dim], its keys
+        self.index_share = None      # an MTP layer's dsa.IndexShare, set by the drafter
+        if cfg.sparse:
+            from onespec.models.dsa import Indexer
+            self.indexer = Indexer(h, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                                   self.rope_dim, cfg.index_topk)
         self._fused_a = None         # [q or q_a; kv_a] as one linear (fuse_projections)
 
     def fuse_projections(self):
@@ -302,7 +309,11 @@ class MLAttention(nn.Module):
 
     # the KV pool's hooks (engine/kv_cache.py)
     def cache_bytes_per_token(self) -> int:
-        return (self.kv_lora_rank + self.rope_dim) * self.o_proj.weight.element_size()
+        return self._index_dim() * self.o_proj.weight.element_size() + \
+            (self.kv_lora_rank + self.rope_dim) * self.o_proj.weight.element_size()
+
+    def _index_dim(self) -> int:
+        return 0 if self.indexer is None else self.indexer.head_dim
 
     def expanded_bytes_per_token(self) -> int:
         """What a cache of expanded keys and values would take, for comparison."""
@@ -312,6 +323,9 @@ class MLAttention(nn.Module):
     def allocate_cache(self, num_slots: int, device):
         self.latent_cache = zeros_on_write((num_slots, self.kv_lora_rank + self.rope_dim),
                                            self.o_proj.weight.dtype, device)
+        if self.indexer is not None:
+            self.index_cache = zeros_on_write((num_slots, self._index_dim()),
+                                              self.o_proj.weight.dtype, device)
 
     def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None):
@@ -325,13 +339,17 @@ class MLAttention(nn.Module):
         else:
             first = ops.linear(self.q_a_proj if self.q_lora else self.q_proj, x)
             ckv = ops.linear(self.kv_a_proj_with_mqa, x)                   # [T, r + p]
-        q = ops.linear(self.q_b_proj, ops.norm(self.q_a_layernorm, first)) if self.q_lora \
-            else first
+        q_latent = ops.norm(self.q_a_layernorm, first) if self.q_lora else None
+        q = ops.linear(self.q_b_proj, q_latent) if self.q_lora else first
         q = q.view(t, self.num_heads, -1)
         if meta.kv_slots is None:          # metadata built for the Triton kernels
             out = self.attend_paged(q, ckv, positions, rotary, meta)
         else:
-            out = self.attend_portable(q, ckv, positions, rotary, meta)
+            mask = meta.mask
+            if self.indexer is not None:   # DSA: only the indexer's top-k keys
+                from onespec.models.dsa import sparse_mask
+                mask = sparse_mask(self, x, q_latent, positions, rotary, meta)
+            out = self.attend_portable(q, ckv, positions, rotary, meta, mask)
         return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
@@ -347,17 +365,20 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
-    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata,
+                        mask: torch.Tensor | None = None):
         """q [T, h, n + p], ckv [T, r + p] (the projections) -> [T, h, v] through PyTorch:
-        rotary and the latents' write, then absorbed or expanded attention by row count."""
+        rotary and the latents' write, then absorbed or expanded attention by row count;
+        mask [B, 1, Qmax, KV] (default meta.mask): the keys each row attends to."""
+        mask = meta.mask if mask is None else mask
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
         c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], -1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)
         self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
         if meta.max_q <= ABSORB_MAX_ROWS:
-            return self.attend_absorbed(q_nope, q_pe, meta)
-        return self.attend_expanded(q_nope, q_pe, meta)
+            return self.attend_absorbed(q_nope, q_pe, meta, mask)
+        return self.attend_expanded(q_nope, q_pe, meta, mask)
 
     def _latent_query(self, q_nope):
         """q_nope_h W_UK_h [T, h, r]: the nope part of a query against the latents."""
@@ -371,13 +392,15 @@ class MLAttention(nn.Module):
         """Attention-weighted latents [T, h, r] -> per-head values [T, h, v] (W_UV)."""
         return torch.einsum("thr,hvr->thv", latent_out, self._kv_b_heads()[1])
 
-    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata):
+    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, mask=None):
         """q_nope [T, h, n], q_pe [T, h, p] -> [T, h, v], attending to the latents as one
-        shared key/value head of width r + p (values: the first r)."""
+        shared key/value head of width r + p (values: the first r); mask: as
+        attend_portable's."""
         query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
         latents = self.latent_cache[meta.kv_slots].unsqueeze(1)      # [B, 1, KV, r + p]
         out = F.scaled_dot_product_attention(query, latents, latents[..., :self.kv_lora_rank],
-                                             attn_mask=meta.mask, scale=self.scale,
+                                             attn_mask=meta.mask if mask is None else mask,
+                                             scale=self.scale,
                                              enable_gqa=True)         # [B, h, Qmax, r]
         return self._values(self._unpadded(out, meta))
 
@@ -395,7 +418,7 @@ class MLAttention(nn.Module):
                                 positions, self.kv_lora_rank, self.scale, meta.block_size)
         return self._values(out)
 
-    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, mask=None):
         """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
         latents = self.latent_cache[meta.kv_slots]                   # [B, KV, r + p]
         c, k_pe = latents.split([self.kv_lora_rank, self.rope_dim], -1)
@@ -404,7 +427,8 @@ class MLAttention(nn.Module):
         keys = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], -1)
         query = self._padded(torch.cat([q_nope, q_pe], -1), meta)
         out = F.scaled_dot_product_attention(query, keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=meta.mask,
+                                             values.transpose(1, 2),
+                                             attn_mask=meta.mask if mask is None else mask,
                                              scale=self.scale)
         return self._unpadded(out, meta)
 
@@ -494,3 +518,10 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
         if m and int(m.group(1)) >= self.config.num_hidden_layers:
             return None          # MTP layers: read by the MTP drafter, not the target
         return super().checkpoint_rename(name)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (models/dsa.py). Portable
+    path only: kernels/mla.py attends to every cached latent, with no per-query selection
+    (attention_backend='triton' is refused for it)."""
+    supports_triton = False

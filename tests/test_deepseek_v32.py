@@ -1,0 +1,175 @@
+"""DeepSeek-V3.2 (DSA: MLA over the lightning indexer's top-k tokens) against Hugging Face
+transformers: greedy generation token for token (batched, chunked prefill, preemption), the
+selection really sparse, the indexer's key cache in the pool; MTP with and without index
+sharing: greedy output equals plain output, drafts equal cache-free references of both
+rules; the Triton backend and bad configs refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, hf_greedy
+from moe_utils import YARN, _randomize, add_mtp_layers
+from onespec import LLM, MTPConfig, SamplingParams
+from onespec.models.deepseek_v3 import DeepseekV3Config
+from test_mtp import reference_drafts
+
+NEW_TOKENS = 12
+TOPK = 6
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
+           list(range(20, 45))]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE_MODES = {"batched": {}, "chunked": {"max_num_tokens": 9},
+                "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}}
+FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+              topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+              qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
+              max_position_embeddings=256, rope_parameters=YARN, index_n_heads=8,
+              index_head_dim=24, index_topk=TOPK, num_nextn_predict_layers=1,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(path, hf model, greedy references, MTP layer reference); the checkpoint carries one
+    MTP layer (with its own indexer) at model.layers.3."""
+    import transformers
+    path = tmp_path_factory.mktemp("dsv32")
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**FIELDS))
+    hf = hf.float().eval()
+    _randomize(hf, 0)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.indexer.k_norm.bias.normal_(0, 0.1)
+    hf.save_pretrained(path)
+    mtp = add_mtp_layers(path, hf, 1, family="deepseek_v32")
+    return str(path), hf, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS], mtp
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_greedy_matches_transformers(model, mode):
+    path, _, refs, _ = model
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if mode == "preempt":
+        assert llm.stats()["num_preemptions"] > 0
+    assert_pool_full(llm)
+
+
+def test_selection_is_sparse(model):
+    """Attending to every key instead (top-k past any length) changes the output: the
+    agreement above comes from the selection itself."""
+    path, _, refs, _ = model
+    llm = LLM(path, dtype="float32", device="cpu")
+    layers = [layer.self_attn for layer in llm.engine.model.model.layers]
+    for a in layers:
+        assert a.indexer.topk == TOPK
+        a.indexer.topk = 10 ** 6
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert outs != refs
+
+
+def test_indexer_keys_live_in_the_pool(model):
+    path, _, _, _ = model
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=20, block_size=4,
+              max_model_len=64)
+    for a in (layer.self_attn for layer in llm.engine.model.model.layers):
+        assert a.index_cache.shape == (21 * 4, 24)        # one scratch block past the pool
+        assert a.latent_cache.shape == (21 * 4, 32 + 16)
+        assert a.cache_bytes_per_token() == (24 + 32 + 16) * 4
+    llm.close()
+
+
+def test_triton_backend_refused(model):
+    path, _, _, _ = model
+    with pytest.raises(ValueError, match="attention_backend='triton' is not available for "
+                                         "DeepseekV32ForCausalLM"):
+        LLM(path, dtype="float32", device="cpu", attention_backend="triton")
+
+
+def test_config_errors():
+    base = {k: v for k, v in FIELDS.items() if k != "rope_parameters"}
+    base["architectures"] = ["DeepseekV32ForCausalLM"]
+    assert DeepseekV3Config.from_hf(base).sparse
+    with pytest.raises(ValueError, match="'index_topk'"):
+        DeepseekV3Config.from_hf({k: v for k, v in base.items() if k != "index_topk"})
+    with pytest.raises(ValueError, match="needs 'q_lora_rank'"):
+        DeepseekV3Config.from_hf({**base, "q_lora_rank": None})
+    with pytest.raises(ValueError, match="'index_head_dim'"):
+        DeepseekV3Config.from_hf({**base, "index_head_dim": 8})
+    dense = DeepseekV3Config.from_hf({**base, "architectures": ["DeepseekV3ForCausalLM"]})
+    assert not dense.sparse
+
+
+# ---- MTP with and without index sharing ---------------------------------------------------
+def mtp_llm(path, k, share, device=TEST_DEVICE, **kw):
+    return LLM(path, dtype="float32", device=device, **kw, speculative_config=MTPConfig(
+        num_nextn_predict_layers=k, use_index_share=share))
+
+
+@pytest.mark.parametrize("share,engine_kw", [(True, "batched"), (True, "chunked"),
+                                             (True, "preempt"), (False, "batched")])
+def test_mtp_greedy_lossless(model, share, engine_kw):
+    path, _, refs, _ = model
+    llm = mtp_llm(path, 3, share, **ENGINE_MODES[engine_kw])
+    assert (llm.engine.drafter.index_share is not None) == share
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
+def shared_reference_drafts(hf, mtp, tokens: list[int], k: int):
+    """reference_drafts under the sharing rule: in draft step j >= 1 the last row (the one
+    drafting) attends to the keys step 0's last row selected plus every key after it;
+    the indexer of the transformers block is wrapped to say so."""
+    indexer = mtp.block.self_attn.indexer
+    original = indexer.forward
+    state = {}
+
+    def forward(*args, **kwargs):
+        picked = original(*args, **kwargs)                    # [1, S, k] int32
+        s = picked.shape[1]
+        if "root" not in state:           # step 0: the row the draft loop continues from
+            state["root"] = (s - 1, picked[0, -1].tolist())
+            return picked
+        root, chosen = state["root"]
+        keep = sorted(set(chosen) & set(range(root + 1)) | set(range(root + 1, s)))
+        width = max(picked.shape[2], len(keep))
+        out = torch.cat([picked, picked[:, :, :1].expand(-1, -1, width - picked.shape[2])], -1)
+        out[0, -1] = torch.tensor(keep + keep[:1] * (width - len(keep)))
+        return out
+
+    indexer.forward = forward
+    try:
+        return reference_drafts(hf, mtp, tokens, k)
+    finally:
+        indexer.forward = original
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_mtp_drafts_match_cache_free_reference(model, share):
+    path, hf, _, mtp = model
+    k = 3
+    llm = mtp_llm(path, k, share, device="cpu", max_num_tokens=10)
+    reference = shared_reference_drafts if share else reference_drafts
+    assert_drafts_match_reference(llm, PROMPTS[1:], SamplingParams(max_tokens=16,
+                                                                   ignore_eos=True),
+                                  lambda ids: reference(hf, mtp[0], ids, k), k)
+
+
+def test_index_sharing_changes_drafts(model):
+    """The two rules draft differently somewhere once contexts pass top-k (so each
+    reference test above checks its own rule)."""
+    path, hf, _, mtp = model
+    g = torch.Generator().manual_seed(1)
+    differ = 0
+    for n in (17, 19, 22, 23, 27, 28):
+        tokens = torch.randint(3, 128, (n,), generator=g).tolist()
+        differ += reference_drafts(hf, mtp[0], tokens, 3)[0] != \
+            shared_reference_drafts(hf, mtp[0], tokens, 3)[0]
+    assert differ > 0

@@ -157,8 +157,8 @@ def test_mtp_drafts_match_cache_free_reference(model, share):
     k = 3
     llm = mtp_llm(path, k, share, device="cpu", max_num_tokens=10)
     reference = shared_reference_drafts if share else reference_drafts
-    assert_drafts_match_reference(llm, PROMPTS[1:], SamplingParams(max_tokens=16,
-                                                                   ignore_eos=True),
+    assert_drafts_match_reference(llm, PROMPTS[1:3], SamplingParams(max_tokens=14,
+                                                                    ignore_eos=True),
                                   lambda ids: reference(hf, mtp[0], ids, k), k)
 
 
@@ -173,3 +173,25 @@ def test_index_sharing_changes_drafts(model):
         differ += reference_drafts(hf, mtp[0], tokens, 3)[0] != \
             shared_reference_drafts(hf, mtp[0], tokens, 3)[0]
     assert differ > 0
+
+
+def test_bench_shape_compares_index_sharing(capsys):
+    """`onespec bench --shape tiny-dsa` (the deepseek-v3.2 shape's architecture in
+    miniature) runs plain and MTP rows with index sharing off as asked (on is the
+    default), and says so in its rows."""
+    share = False
+    import json
+
+    from onespec.bench import decode
+    from onespec.bench.moe import mtp_target_config
+    big = mtp_target_config("deepseek-v3.2")
+    assert big["architectures"] == ["DeepseekV32ForCausalLM"] and big["hidden_size"] == 7168
+    assert big["index_topk"] == 2048 and big["num_nextn_predict_layers"] == 1
+    argv = ["--shape", "tiny-dsa", "--device", "cpu", "--dtype", "float32", "--batch-sizes",
+            "1", "--ks", "2", "--acceptance", "max", "--gen-len", "6", "--trials", "1",
+            "--warmup-steps", "1", "--no-hf", "--prompt-len", "24"]
+    assert decode.main(argv + ["--no-mtp-index-share"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["k"] for r in rows} == {0, 2}
+    assert all(r["model"] == "tiny-dsa-shape" and r["mtp_index_share"] == share
+               and "error" not in r for r in rows)

@@ -60,6 +60,19 @@ def test_greedy_matches_transformers(model, mode):
     assert_pool_full(llm)
 
 
+def test_prefix_cache_reuses_indexer_keys(model):
+    """A prompt whose first blocks are cached attends through the cached indexer keys as
+    through freshly computed ones: the same tokens as transformers."""
+    path, hf, refs, _ = model
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4)
+    llm.generate([PROMPTS[4]], GREEDY)
+    prompt = PROMPTS[4][:20] + [7, 9, 11]
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens >= 16
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+    assert_pool_full(llm)
+
+
 def test_selection_is_sparse(model):
     """Attending to every key instead (top-k past any length) changes the output: the
     agreement above comes from the selection itself."""

@@ -60,6 +60,19 @@ def test_greedy_matches_transformers(model, mode):
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("absorb_max_rows", [0, 1000])
+def test_both_attention_forms_match_transformers(model, monkeypatch, absorb_max_rows):
+    """Every step expanded over the selection as a mask (0), or every step, prefill too,
+    absorbed over the gathered selected latents only (1000)."""
+    from onespec.models import deepseek_v3
+    path, _, refs, _ = model
+    monkeypatch.setattr(deepseek_v3, "ABSORB_MAX_ROWS", absorb_max_rows)
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert_pool_full(llm)
+
+
 def test_prefix_cache_reuses_indexer_keys(model):
     """A prompt whose first blocks are cached attends through the cached indexer keys as
     through freshly computed ones: the same tokens as transformers."""

@@ -345,11 +345,11 @@ class MLAttention(nn.Module):
         if meta.kv_slots is None:          # metadata built for the Triton kernels
             out = self.attend_paged(q, ckv, positions, rotary, meta)
         else:
-            mask = meta.mask
+            selection = None
             if self.indexer is not None:   # DSA: only the indexer's top-k keys
-                from onespec.models.dsa import sparse_mask
-                mask = sparse_mask(self, x, q_latent, positions, rotary, meta)
-            out = self.attend_portable(q, ckv, positions, rotary, meta, mask)
+                from onespec.models.dsa import select_keys
+                selection = select_keys(self, x, q_latent, positions, rotary, meta)
+            out = self.attend_portable(q, ckv, positions, rotary, meta, selection)
         return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
@@ -366,18 +366,21 @@ class MLAttention(nn.Module):
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
     def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata,
-                        mask: torch.Tensor | None = None):
+                        selection=None):
         """q [T, h, n + p], ckv [T, r + p] (the projections) -> [T, h, v] through PyTorch:
         rotary and the latents' write, then absorbed or expanded attention by row count;
-        mask [B, 1, Qmax, KV] (default meta.mask): the keys each row attends to."""
-        mask = meta.mask if mask is None else mask
+        selection (a dsa.Selection, DeepSeek-V3.2): the only keys each row attends to,
+        gathered in the absorbed form, a mask in the expanded one."""
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
         c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], -1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)
         self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
         if meta.max_q <= ABSORB_MAX_ROWS:
-            return self.attend_absorbed(q_nope, q_pe, meta, mask)
+            if selection is not None:
+                return self.attend_selected(q_nope, q_pe, meta, selection)
+            return self.attend_absorbed(q_nope, q_pe, meta)
+        mask = None if selection is None else selection.mask(meta.kv_slots.shape[1]) & meta.mask
         return self.attend_expanded(q_nope, q_pe, meta, mask)
 
     def _latent_query(self, q_nope):
@@ -392,16 +395,32 @@ class MLAttention(nn.Module):
         """Attention-weighted latents [T, h, r] -> per-head values [T, h, v] (W_UV)."""
         return torch.einsum("thr,hvr->thv", latent_out, self._kv_b_heads()[1])
 
-    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, mask=None):
+    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata):
         """q_nope [T, h, n], q_pe [T, h, p] -> [T, h, v], attending to the latents as one
-        shared key/value head of width r + p (values: the first r); mask: as
-        attend_portable's."""
+        shared key/value head of width r + p (values: the first r)."""
         query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
         latents = self.latent_cache[meta.kv_slots].unsqueeze(1)      # [B, 1, KV, r + p]
         out = F.scaled_dot_product_attention(query, latents, latents[..., :self.kv_lora_rank],
-                                             attn_mask=meta.mask if mask is None else mask,
-                                             scale=self.scale,
+                                             attn_mask=meta.mask, scale=self.scale,
                                              enable_gqa=True)         # [B, h, Qmax, r]
+        return self._values(self._unpadded(out, meta))
+
+    def attend_selected(self, q_nope, q_pe, meta: AttentionMetadata, selection):
+        """attend_absorbed over each row's selected latents only (gathered: a row reads its
+        top-k latents, not its whole context); selection: a dsa.Selection."""
+        query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
+        b, heads, qmax, width = query.shape
+        picked = selection.picked.expand(b, qmax, -1)                    # [B, Qmax, n]
+        n = picked.shape[-1]
+        num_keys = meta.kv_slots.shape[1]
+        slots = meta.kv_slots.gather(1, picked.clamp(max=num_keys - 1).reshape(b, -1))
+        latents = self.latent_cache[slots].view(b * qmax, 1, n, width)  # [BQ, 1, n, r + p]
+        valid = selection.valid.expand(b, qmax, -1).reshape(b * qmax, 1, 1, n)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2).reshape(b * qmax, heads, 1, width), latents,
+            latents[..., :self.kv_lora_rank], attn_mask=valid, scale=self.scale,
+            enable_gqa=True)                                             # [BQ, h, 1, r]
+        out = out.view(b, qmax, heads, -1).transpose(1, 2)               # [B, h, Qmax, r]
         return self._values(self._unpadded(out, meta))
 
     def attend_paged(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
@@ -419,7 +438,8 @@ class MLAttention(nn.Module):
         return self._values(out)
 
     def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, mask=None):
-        """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
+        """As attend_absorbed, with each cached latent expanded into per-head keys/values;
+        mask [B, 1, Qmax, KV]: instead of meta.mask."""
         latents = self.latent_cache[meta.kv_slots]                   # [B, KV, r + p]
         c, k_pe = latents.split([self.kv_lora_rank, self.rope_dim], -1)
         kv = self.kv_b_proj(c).view(*c.shape[:2], self.num_heads, -1)

@@ -90,14 +90,26 @@ class Indexer(nn.Module):
                                               s.relu_())
         return out.masked_fill_(~meta.mask[:, 0], float("-inf"))
 
-    def select(self, scores) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (key positions [B, Qmax, k] of each query's top k, the selection as a mask
-        [B, Qmax, KV]); a query that sees fewer than k keys selects every key it sees (the
-        rest of its k are keys it may not see, masked again by the attention)."""
-        k = min(self.topk, scores.shape[-1])
-        picked = scores.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picked, True)
-        return picked, chosen
+    def select(self, scores) -> torch.Tensor:
+        """-> key positions [B, Qmax, k] of each query's top k; a query that sees fewer
+        than k keys selects every key it sees (the rest of its k are keys it may not see,
+        marked invalid by Selection)."""
+        return scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+
+
+@dataclass
+class Selection:
+    """The keys each (padded) query row attends to: positions [B, Qmax, n] and whether each
+    counts [B, Qmax, n] (no position counts twice)."""
+    picked: torch.Tensor
+    valid: torch.Tensor
+
+    def mask(self, num_keys: int) -> torch.Tensor:
+        """The selection as an attention mask [B, 1, Qmax, KV] (True: attend)."""
+        b, q, _ = self.picked.shape
+        out = torch.zeros(b, q, num_keys + 1, dtype=torch.bool, device=self.picked.device)
+        index = torch.where(self.valid, self.picked, num_keys)   # (last column: dropped)
+        return out.scatter_(-1, index, True)[..., :num_keys].unsqueeze(1)
 
 
 @dataclass
@@ -116,45 +128,42 @@ class IndexShare:
         self.picked = picked_padded[meta.token_req, meta.token_idx]
         self.roots = None
 
-    def shared_mask(self, meta: AttentionMetadata, num_keys: int) -> torch.Tensor:
-        """Draft step >= 1 (one row per request): [B, 1, 1, KV] the keys each row attends
-        to, the step-0 selection of the row it continues from plus every key after it."""
+    def shared(self, meta: AttentionMetadata) -> Selection:
+        """Draft step >= 1 (one row per request): the step-0 selection of the row each
+        request continues from (position c) plus the keys c + 1 .. its own position."""
         if self.roots is None:       # the step-0 row each request continues from
             root_pos = meta.positions - self.step
             root_slot = meta.kv_slots.gather(1, root_pos[:, None])        # [B, 1]
             match = self.slots[None, :] == root_slot                      # [B, T]
-            row = match.int().argmax(1)
-            found = match.any(1)
-            # a request without a recorded row attends to every key (never expected)
-            root_pos = torch.where(found, self.positions[row], -1)
-            self.roots = (self.picked[row], root_pos)
+            row, found = match.int().argmax(1), match.any(1)
+            # a request without a recorded row keeps only its chain's keys (never expected)
+            root_pos = torch.where(found, self.positions[row], root_pos)
+            never = meta.kv_slots.shape[1]            # a position no key has: invalid
+            self.roots = (torch.where(found[:, None], self.picked[row], never), root_pos)
         picked, root_pos = self.roots
-        key = torch.arange(num_keys, device=picked.device)[None, :]
-        chosen = torch.zeros(picked.shape[0], num_keys + 1, dtype=torch.bool,
-                             device=picked.device)        # (the last column: past the keys)
-        chosen.scatter_(1, picked.clamp(max=num_keys), True)
-        chosen = chosen[:, :num_keys] | (key > root_pos[:, None])          # [B, KV]
-        return chosen[:, None, None, :] & meta.mask
+        chain = root_pos[:, None] + torch.arange(1, self.step + 1, device=picked.device)
+        positions = torch.cat([picked, chain], -1)                        # [B, k + step]
+        valid = torch.cat([picked <= root_pos[:, None], chain <= meta.positions[:, None]], -1)
+        valid &= positions < meta.kv_slots.shape[1]
+        return Selection(positions[:, None], valid[:, None])
 
 
-def sparse_mask(attn, x, q_latent, positions, rotary, meta: AttentionMetadata):
-    """Writes this step's indexer keys into attn.index_cache and returns the attention mask
-    [B, 1, Qmax, KV] (True: attend) of the rows' selected keys, for an MLAttention `attn`
-    with an indexer; under an IndexShare (an MTP layer's draft loop) steps >= 1 reuse
-    step 0's selection."""
+def select_keys(attn, x, q_latent, positions, rotary, meta: AttentionMetadata) -> Selection:
+    """Writes this step's indexer keys into attn.index_cache and returns the keys each row
+    attends to, for an MLAttention `attn` with an indexer; under an IndexShare (an MTP
+    layer's draft loop) steps >= 1 reuse step 0's selection."""
     indexer: Indexer = attn.indexer
     q, k, weights = indexer.project(x, q_latent, positions, rotary)
     attn.index_cache.index_copy_(0, meta.slot_mapping, k.to(attn.index_cache.dtype))
     share: IndexShare | None = attn.index_share
-    num_keys = meta.kv_slots.shape[1]
     if share is not None and share.enabled and share.step > 0:
-        return share.shared_mask(meta, num_keys)
+        return share.shared(meta)
     qp = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, *q.shape[1:])
     qp[meta.token_req, meta.token_idx] = q
     wp = weights.new_zeros(meta.kv_slots.shape[0], meta.max_q, weights.shape[1])
     wp[meta.token_req, meta.token_idx] = weights
     scores = indexer.scores(qp, wp, attn.index_cache[meta.kv_slots], meta)
-    picked, chosen = indexer.select(scores)
+    picked = indexer.select(scores)                                       # [B, Qmax, k]
     if share is not None and share.enabled:
         share.capture(meta, picked)
-    return chosen[:, None] & meta.mask
+    return Selection(picked, meta.mask[:, 0].gather(-1, picked))

@@ -86,6 +86,51 @@ def test_prefix_cache_reuses_indexer_keys(model):
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_planted_drafts_verify_as_transformers(model, tmp_path, shape):
+    """Drafts planted each step with a known accepted prefix (chain: MTP with K = 3;
+    tree: an EAGLE-3 dynamic tree, rows masked to their ancestors, the accepted path's
+    latents and indexer keys moved by compact_cache): exactly that prefix is accepted and
+    the output equals transformers'."""
+    import random
+
+    from conftest import make_eagle3_head
+    from onespec import Eagle3Config
+    from test_tree import plant_tree
+    path, hf, refs, _ = model
+    if shape == "tree":
+        make_eagle3_head(tmp_path, hf, "safeailab", seed=3, aux_layer_ids=[1, 2, 3])
+        spec = Eagle3Config(str(tmp_path), max_draft_len=3, use_dynamic_tree=True,
+                            dynamic_tree_max_topK=2, max_total_draft_tokens=6)
+    else:
+        spec = MTPConfig(num_nextn_predict_layers=3)
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, speculative_config=spec)
+    eng, rng = llm.engine, random.Random(0)
+    reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    lengths = set()
+    while eng.has_unfinished():
+        planned = {}
+        for r, want in zip(reqs, refs):
+            if r in eng.scheduler.running and not r.in_context:
+                truth = want[len(r.output_token_ids):][:3]
+                if shape == "tree":
+                    r.draft_tokens, r.draft_parents, n = plant_tree(rng, truth, 6, 3, 128)
+                else:
+                    n = rng.randint(0, len(truth))
+                    r.draft_tokens = truth[:n] + [(t + 1) % 128 for t in want[:3 - n]]
+                    if n < len(truth):      # the first wrong draft differs from the truth
+                        r.draft_tokens[n] = (truth[n] + 1) % 128
+                planned[r.request_id] = n, len(r.output_token_ids)
+        for r in eng.step():
+            if r.request_id in planned and not r.is_finished:
+                n, before = planned[r.request_id]
+                assert len(r.output_token_ids) - before == n + 1
+                lengths.add(n)
+    assert [llm.to_output(r).outputs[0].token_ids for r in reqs] == refs
+    assert lengths == {0, 1, 2, 3}
+    assert_pool_full(llm)
+
+
 def test_selection_is_sparse(model):
     """Attending to every key instead (top-k past any length) changes the output: the
     agreement above comes from the selection itself."""

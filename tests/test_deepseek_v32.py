@@ -266,3 +266,19 @@ def test_bench_shape_compares_index_sharing(capsys):
     assert {r["k"] for r in rows} == {0, 2}
     assert all(r["model"] == "tiny-dsa-shape" and r["mtp_index_share"] == share
                and "error" not in r for r in rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", [None, True, False])
+def test_cuda_portable_path_matches_transformers(model, share):
+    """On a GPU the default backend for V3.2 is the PyTorch path (auto); plain and MTP
+    (index sharing on and off) decoding give transformers' tokens."""
+    path, _, refs, _ = model
+    spec = None if share is None else MTPConfig(num_nextn_predict_layers=3,
+                                                use_index_share=share)
+    llm = LLM(path, dtype="float32", device="cuda", speculative_config=spec)
+    assert not llm.engine.kernel_settings.triton
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert_pool_full(llm)

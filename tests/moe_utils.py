@@ -79,7 +79,7 @@ class MTPReference(torch.nn.Module):
         import importlib
         modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         prefix = {"deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
-                  "deepseek_v32": "DeepseekV32"}[family]
+                  "glm4_moe_lite": "Glm4MoeLite", "deepseek_v32": "DeepseekV32"}[family]
         decoder_layer, rms_norm = (getattr(modeling, prefix + "DecoderLayer"),
                                    getattr(modeling, prefix + "RMSNorm"))
         super().__init__()

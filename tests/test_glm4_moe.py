@@ -126,6 +126,25 @@ def test_mtp_greedy_lossless(mtp_target, engine_kw):
     assert_pool_full(llm)
 
 
+def test_lite_mtp_greedy_lossless(models, tmp_path):
+    """GLM-4.7-Flash's MTP layer (MLA + GLM's MoE, at model.layers.{L}) drafts losslessly."""
+    import json
+    import shutil
+    _, hf, refs = models["glm4-moe-lite"]
+    path = tmp_path / "lite-mtp"
+    shutil.copytree(models["glm4-moe-lite"][0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    add_mtp_layers(str(path), hf, 1, family="glm4_moe_lite")
+    llm = LLM(str(path), dtype="float32", device=TEST_DEVICE, max_num_tokens=9,
+              speculative_config=MTPConfig(num_nextn_predict_layers=2))
+    assert type(llm.engine.drafter.head.layers[0].block.mlp).__name__ == "DeepseekMoE"
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
 def test_mtp_drafts_match_cache_free_reference(mtp_target):
     path, hf, mtp, _ = mtp_target
     k = 3

@@ -145,14 +145,23 @@ def test_selection_is_sparse(model):
 
 
 def test_indexer_keys_live_in_the_pool(model):
+    """In bfloat16: the indexer's keys beside the latents in the model dtype, its head
+    weights float32 (as the checkpoints keep them); MTP runs over them."""
     path, _, _, _ = model
-    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=20, block_size=4,
-              max_model_len=64)
-    for a in (layer.self_attn for layer in llm.engine.model.model.layers):
+    llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=20, block_size=4,
+              max_model_len=64, speculative_config=MTPConfig(num_nextn_predict_layers=2))
+    layers = [layer.self_attn for layer in llm.engine.model.model.layers]
+    for a in layers + llm.engine.drafter.attention_layers:
         assert a.index_cache.shape == (21 * 4, 24)        # one scratch block past the pool
         assert a.latent_cache.shape == (21 * 4, 32 + 16)
-        assert a.cache_bytes_per_token() == (24 + 32 + 16) * 4
+        assert a.index_cache.dtype == a.latent_cache.dtype == torch.bfloat16
+        assert a.cache_bytes_per_token() == (24 + 32 + 16) * 2
+        assert a.indexer.weights_proj.weight.dtype == torch.float32
+    out = llm.generate([PROMPTS[4]], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS
+    assert_pool_full(llm)
     llm.close()
+    assert all(a.index_cache is None for a in layers)     # close() drops the pool
 
 
 def test_triton_backend_refused(model):

@@ -13,13 +13,16 @@ Query s attends (in MLA) only to the top min(index_topk, visible) tokens t by sc
 the tokens it may see (causal, or its tree's ancestors). The keys live in an extra
 per-layer cache of the paged pool beside the MLA latents (`MLAttention.index_cache`,
 [slots, D_i]), indexed by the same block ids, so prefix caching, preemption and tree
-compaction treat it as they treat the latents.
+compaction treat it as they treat the latents. The choice is a `Selection` (positions
+and whether each counts): MLA's absorbed rows gather only those latents, its expanded
+prefill chunks take it as a mask.
 
 MTP index sharing (docs/DECODING.md, "MTP on DeepSeek-V3.2"): an `IndexShare` lets the
 MTP layers' draft steps 1..K-1 skip scoring. Step 0 records every row's selection; a later
-step's row attends to the selection of the row it continues from (the step-0 row of its
-request's last accepted token, position c) plus every key after c (the draft chain's own
-tokens). Keys are still written every step, so the cache stays whole.
+step's row (position p) attends to the selection of the row it continues from (the
+step-0 row of its request's last accepted token, position c) plus the keys c + 1 .. p
+(the draft chain's own tokens). Keys are still written every step, so the cache stays
+whole.
 """
 from __future__ import annotations
 

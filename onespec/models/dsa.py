@@ -119,7 +119,6 @@ class Selection:
 class IndexShare:
     """The MTP draft loop's shared selection (module docstring). The drafter sets `step`
     before each forward; the MTP layers' attention reads and writes the rest."""
-    enabled: bool = True
     step: int = 0
     slots: torch.Tensor | None = None        # step 0: [T] the slot each row wrote
     positions: torch.Tensor | None = None    # step 0: [T] each row's position
@@ -159,7 +158,7 @@ def select_keys(attn, x, q_latent, positions, rotary, meta: AttentionMetadata) -
     q, k, weights = indexer.project(x, q_latent, positions, rotary)
     attn.index_cache.index_copy_(0, meta.slot_mapping, k.to(attn.index_cache.dtype))
     share: IndexShare | None = attn.index_share
-    if share is not None and share.enabled and share.step > 0:
+    if share is not None and share.step > 0:
         return share.shared(meta)
     qp = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, *q.shape[1:])
     qp[meta.token_req, meta.token_idx] = q
@@ -167,6 +166,6 @@ def select_keys(attn, x, q_latent, positions, rotary, meta: AttentionMetadata) -
     wp[meta.token_req, meta.token_idx] = weights
     scores = indexer.scores(qp, wp, attn.index_cache[meta.kv_slots], meta)
     picked = indexer.select(scores)                                       # [B, Qmax, k]
-    if share is not None and share.enabled:
+    if share is not None:
         share.capture(meta, picked)
     return Selection(picked, meta.mask[:, 0].gather(-1, picked))

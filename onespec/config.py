@@ -269,6 +269,9 @@ class MTPConfig(SpeculativeConfig):
     num_nextn_predict_layers: int = 1      # K: drafts per step
     use_mtp_vanilla: bool = False          # layer i drafts token i (else layer 0, K times)
     draft_dtype: str = "auto"              # "auto": as the checkpoint; "fp8": e4m3 weights
+    # DeepSeek-V3.2 (sparse attention): draft steps after the first reuse its indexer
+    # selection instead of scoring again (docs/DECODING.md); no effect on dense targets
+    use_index_share: bool = True
 
     @property
     def max_draft_len(self) -> int:
@@ -281,7 +284,7 @@ class MTPConfig(SpeculativeConfig):
 
     def _check_own(self):
         _check_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 1, 32)
-        _check_bools(self, "use_mtp_vanilla")
+        _check_bools(self, "use_mtp_vanilla", "use_index_share")
         if self.draft_dtype not in ("auto", "fp8"):
             raise ValueError(f"draft_dtype must be 'auto' or 'fp8' for MTP layers (they run "
                              f"in the target's dtype), got {self.draft_dtype!r}")

@@ -72,18 +72,27 @@ def make_qwen3_moe_model(path, seed: int = 0, **overrides):
 
 
 class MTPReference(torch.nn.Module):
-    """One MTP layer as transformers modules (a DeepseekV3DecoderLayer block), kept by the
+    """One MTP layer as transformers modules (a decoder layer of `family`), kept by the
     test for a cache-free reference; its weights go into the checkpoint."""
 
-    def __init__(self, cfg, layer_idx: int, own_embed_head: bool):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer, DeepseekV3RMSNorm)
+    def __init__(self, cfg, layer_idx: int, own_embed_head: bool, family: str = "deepseek_v3"):
+        import importlib
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        prefix = {"deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
+                  "glm4_moe_lite": "Glm4MoeLite", "deepseek_v32": "DeepseekV32"}[family]
+        decoder_layer, rms_norm = (getattr(modeling, prefix + "DecoderLayer"),
+                                   getattr(modeling, prefix + "RMSNorm"))
         super().__init__()
         h, v = cfg.hidden_size, cfg.vocab_size
-        self.block = DeepseekV3DecoderLayer(cfg, layer_idx)
-        self.enorm, self.hnorm = DeepseekV3RMSNorm(h), DeepseekV3RMSNorm(h)
+        types = getattr(cfg, "mlp_layer_types", None)
+        if types is not None and layer_idx >= len(types):    # MTP layers are MoE layers
+            import copy
+            cfg = copy.deepcopy(cfg)
+            cfg.mlp_layer_types = list(types) + ["sparse"] * (layer_idx + 1 - len(types))
+        self.block = decoder_layer(cfg, layer_idx)
+        self.enorm, self.hnorm = rms_norm(h), rms_norm(h)
         self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
-        self.shared_head_norm = DeepseekV3RMSNorm(h)
+        self.shared_head_norm = rms_norm(h)
         self.head = torch.nn.Linear(h, v, bias=False) if own_embed_head else None
         self.embed = torch.nn.Embedding(v, h) if own_embed_head else None
 
@@ -110,7 +119,8 @@ class MTPReference(torch.nn.Module):
         return {k: t.detach().contiguous().clone() for k, t in out.items()}
 
 
-def add_mtp_layers(path, hf, num_layers: int, seed: int = 5, own_embed_head: bool = True):
+def add_mtp_layers(path, hf, num_layers: int, seed: int = 5, own_embed_head: bool = True,
+                   family: str = "deepseek_v3"):
     """Appends random MTP layers under model.layers.{L + i}.* to the checkpoint at path
     (as DeepSeek-V3 ships them); returns their MTPReference modules."""
     import os
@@ -121,11 +131,15 @@ def add_mtp_layers(path, hf, num_layers: int, seed: int = 5, own_embed_head: boo
     refs = []
     for i in range(num_layers):
         torch.manual_seed(seed + i)
-        ref = MTPReference(hf.config, hf.config.num_hidden_layers + i, own_embed_head).eval()
+        ref = MTPReference(hf.config, hf.config.num_hidden_layers + i, own_embed_head,
+                           family).eval()
         with torch.no_grad():
             for name, p in ref.named_parameters():
                 p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(1.0, 0.1)
             ref.block.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+            for name, p in ref.named_parameters():    # layer norms' biases (an indexer's)
+                if name.endswith("norm.bias"):
+                    p.normal_(0, 0.1)
             if ref.embed is not None:
                 ref.embed.weight.normal_(0, 1.0)
         tensors.update(ref.checkpoint(f"model.layers.{hf.config.num_hidden_layers + i}."))

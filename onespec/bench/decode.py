@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from onespec.bench.hf import run_hf
 from onespec.bench.models import (GPT_OSS_SHAPES, SHAPES, copy_bandwidth, default_shape,
                                   release_memory, shape_label, step_floor_parts, sync,
+                                  target_config,
                                   write_model_dirs)
 from onespec.bench.moe import MTP_SHAPES
 from onespec.config import AUTO_DRAFT_LEN
@@ -109,6 +110,9 @@ def parse_args(argv):
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
                    help="speculative engines with the suffix-automaton enhancer (min match N): "
                         "its host cost, and graph steps no longer chained")
+    p.add_argument("--mtp-index-share", action=argparse.BooleanOptionalAction, default=True,
+                   help="sparse-attention MTP shapes (deepseek-v3.2): draft steps after the "
+                        "first reuse its indexer selection (off: each step selects anew)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
@@ -221,7 +225,8 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     sa = dict(use_sa_enhancer=True, sa_min_match_len=sa) if sa else {}
     draft = dict(draft_dtype=getattr(args, "draft_dtype", "auto"))
     if k_max and head_dir is None:
-        spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa, **draft)
+        spec = MTPConfig(num_nextn_predict_layers=k_max, **forced, **sa, **draft,
+                         use_index_share=getattr(args, "mtp_index_share", True))
     elif k_max:
         trees = dict(use_dynamic_tree=True, dynamic_tree_max_topK=tree[1],
                      max_total_draft_tokens=tree[2]) if tree else {}
@@ -353,6 +358,9 @@ def make_emitter(args, model_label: str, device_name: str, rows: list | None = N
     head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype,
             "quantization": getattr(args, "quantization", None),
             "draft_dtype": getattr(args, "draft_dtype", "auto")}
+    shape = getattr(args, "shape", None)
+    if shape is not None and "index_n_heads" in target_config(shape):   # the A/B's arm
+        head["mtp_index_share"] = getattr(args, "mtp_index_share", True)
 
     def emit(row: dict):
         row = {k: _significant(v) for k, v in {**head, **row, "device": device_name}.items()}

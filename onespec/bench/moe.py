@@ -5,6 +5,13 @@
 routed experts of which 6 are active plus 2 shared, vocab 102,400, and one MTP layer;
 routing is DeepSeek-V3's (sigmoid, one group). The floor of a step counts the experts the
 step's rows are expected to reach: at batch 1 exactly the active ones.
+
+`deepseek-v3.2` has DeepSeek-V3.2's per-layer dimensions (hidden 7168, MLA with q LoRA 1536,
+128 heads, 256 routed experts of 2048 with 8 active in 4 of 8 groups plus one shared, the
+lightning indexer of 64 heads of 128 keeping the top 2048 tokens, YaRN to 160k positions,
+vocab 129,280) with 4 layers instead of 61 (one dense, three MoE) and one MTP layer: about
+97 GB of bfloat16 weights, for one H200. `tiny-dsa` is the same architecture in miniature
+(the CPU tests run it).
 """
 from __future__ import annotations
 
@@ -24,17 +31,36 @@ MTP_SHAPES = {
         kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, vocab_size=1000)),
+    "deepseek-v3.2": ("deepseek-v3.2-shape", dict(
+        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        vocab_size=129280, index_n_heads=64, index_head_dim=128, index_topk=2048,
+        max_position_embeddings=163840, rope_scaling={
+            "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "tiny-dsa": ("tiny-dsa-shape", dict(
+        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, vocab_size=1000, index_n_heads=4, index_head_dim=32,
+        index_topk=16)),
 }
 
 
 def mtp_target_config(shape: str) -> dict:
     _, fields = MTP_SHAPES[shape]
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **fields,
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
             "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
             "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "rope_interleave": True,
             "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
             "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-            "bos_token_id": 1, "eos_token_id": 2}
+            "bos_token_id": 1, "eos_token_id": 2, **fields}
 
 
 def _nbytes(params) -> int:

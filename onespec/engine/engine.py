@@ -38,7 +38,7 @@ logger = logging.getLogger("onespec.engine")
 # what close() drops: the cache tensors of attention layers, and the engine's parts that
 # hold tensors or threads (some refer to each other, so dropping the engine alone would
 # leave them to the garbage collector)
-RELEASED_LAYER_TENSORS = ("k_cache", "v_cache", "kv_pool", "latent_cache")
+RELEASED_LAYER_TENSORS = ("k_cache", "v_cache", "kv_pool", "latent_cache", "index_cache")
 RELEASED_ENGINE_PARTS = ("model", "drafter", "host_drafter", "runner", "scheduler", "pool",
                          "policy", "grammars", "thinking", "gate", "_fixed_draft_len", "generator",
                          "requests")

@@ -128,7 +128,8 @@ class _Builder:
             head = load_mtp_head(self.config.model, model, sc.num_mtp_layers, self.device,
                                  self.dtype, dummy=dummy, parallel=self.parallel,
                                  quantize=sc.draft_dtype == "fp8")
-            return MTPDrafter(head, model, vanilla=sc.use_mtp_vanilla)
+            return MTPDrafter(head, model, vanilla=sc.use_mtp_vanilla,
+                              index_share=sc.use_index_share)
         head_cfg = Eagle3HeadConfig.from_hf(read_config(sc.draft_model))
         num_layers = model.config.num_hidden_layers
         if sc.layers_to_capture is not None:
@@ -180,9 +181,9 @@ class _Builder:
         if backend == "auto":       # (several ranks: the portable path unless asked)
             backend = "triton" if self.device.type == "cuda" and not portable_only \
                 and not several_ranks else "torch"
-        if backend == "triton" and self.device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device")
         if backend == "triton" and portable_only:
             raise ValueError(f"attention_backend='triton' is not available for "
                              f"{target_cls.__name__}; use 'torch'")
+        if backend == "triton" and self.device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
         return backend

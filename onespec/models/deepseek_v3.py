@@ -37,7 +37,8 @@ from onespec.models.llama import MLP, check_field_types
 from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
 from onespec.quant.fp8 import linear_dtype
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM")
+SPARSE_ARCHITECTURES = ("DeepseekV32ForCausalLM",)    # DSA: the lightning indexer (dsa.py)
 ROPE_TYPES = ("default", "yarn")
 ABSORB_MAX_ROWS = 16        # requests with at most this many rows attend in absorbed form
 LATENT_NORM_EPS = 1e-6      # q_a_layernorm / kv_a_layernorm (not config.rms_norm_eps)
@@ -105,6 +106,10 @@ class DeepseekV3Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: None = None
+    mlp_layer_types: tuple[str, ...] | None = None    # "dense" / "sparse" per layer
+    index_n_heads: int = 0          # DeepSeek-V3.2's indexer (0: dense attention)
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
@@ -118,8 +123,17 @@ class DeepseekV3Config:
         try:
             theta, scaling = _rope(cfg)
             mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0))
+            arch = next(a for a in archs if a in ARCHITECTURES)
+            types = cfg.get("mlp_layer_types")
+            if types is not None and (not isinstance(types, list) or
+                                      not set(types) <= {"dense", "sparse"}):
+                raise ValueError(f"{getattr(cfg, 'source', 'config.json')}: field "
+                                 "'mlp_layer_types' must be a list of 'dense' / 'sparse', "
+                                 f"got {types!r}")
+            index = _index_fields(cfg, arch)
             return cls(
-                architecture=next(a for a in archs if a in ARCHITECTURES),
+                architecture=arch, **index,
+                mlp_layer_types=None if types is None else tuple(types),
                 vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                 intermediate_size=cfg["intermediate_size"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -148,8 +162,36 @@ class DeepseekV3Config:
             raise ValueError(f"config.json lacks the required field {e.args[0]!r}") from None
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.mlp_layer_types is not None and i < len(self.mlp_layer_types):
+            return self.n_routed_experts > 0 and self.mlp_layer_types[i] == "sparse"
         return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace
                 and i % self.moe_layer_freq == 0)
+
+    @property
+    def sparse(self) -> bool:
+        """DeepSeek Sparse Attention: each query attends to its indexer's top-k tokens."""
+        return self.index_topk > 0
+
+
+def _index_fields(cfg: dict, arch: str) -> dict:
+    """The indexer's sizes of a DeepSeek-V3.2 config (none for the dense architectures)."""
+    if arch not in SPARSE_ARCHITECTURES:
+        return {}
+    source = getattr(cfg, "source", "config.json")
+    check_field_types(cfg, source, ("index_n_heads", "index_head_dim", "index_topk",
+                                    "q_lora_rank"))
+    out = {}
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        if cfg.get(name) is None:
+            raise ValueError(f"{source} lacks the required field {name!r} ({arch})")
+        out[name] = cfg[name]
+    if cfg.get("q_lora_rank") is None:
+        raise ValueError(f"{source}: {arch} needs 'q_lora_rank' (the indexer reads the "
+                         "query's low-rank latent)")
+    if out["index_head_dim"] < cfg["qk_rope_head_dim"]:
+        raise ValueError(f"{source}: field 'index_head_dim' ({out['index_head_dim']}) must "
+                         f"be at least qk_rope_head_dim ({cfg['qk_rope_head_dim']})")
+    return out
 
 
 # ---- rotary ----------------------------------------------------------------------------
@@ -239,6 +281,13 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
         self.latent_cache = None     # [num_slots, r + p], set by the KV pool
+        self.indexer = None          # DeepSeek-V3.2's lightning indexer (models/dsa.py)
+        self.index_cache = None      # [num_slots, index_head_dim], its keys
+        self.index_share = None      # an MTP layer's dsa.IndexShare, set by the drafter
+        if cfg.sparse:
+            from onespec.models.dsa import Indexer
+            self.indexer = Indexer(h, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                                   self.rope_dim, cfg.index_topk)
         self._fused_a = None         # [q or q_a; kv_a] as one linear (fuse_projections)
 
     def fuse_projections(self):
@@ -262,7 +311,11 @@ class MLAttention(nn.Module):
 
     # the KV pool's hooks (engine/kv_cache.py)
     def cache_bytes_per_token(self) -> int:
-        return (self.kv_lora_rank + self.rope_dim) * linear_dtype(self.o_proj).itemsize
+        dtype_bytes = linear_dtype(self.o_proj).itemsize
+        return (self._index_dim() + self.kv_lora_rank + self.rope_dim) * dtype_bytes
+
+    def _index_dim(self) -> int:
+        return 0 if self.indexer is None else self.indexer.head_dim
 
     def expanded_bytes_per_token(self) -> int:
         """What a cache of expanded keys and values would take, for comparison."""
@@ -272,6 +325,9 @@ class MLAttention(nn.Module):
     def allocate_cache(self, num_slots: int, device):
         self.latent_cache = zeros_on_write((num_slots, self.kv_lora_rank + self.rope_dim),
                                            linear_dtype(self.o_proj), device)
+        if self.indexer is not None:
+            self.index_cache = zeros_on_write((num_slots, self._index_dim()),
+                                              linear_dtype(self.o_proj), device)
 
     def forward(self, x, positions, rotary: MLARotary, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None):
@@ -285,13 +341,17 @@ class MLAttention(nn.Module):
         else:
             first = ops.linear(self.q_a_proj if self.q_lora else self.q_proj, x)
             ckv = ops.linear(self.kv_a_proj_with_mqa, x)                   # [T, r + p]
-        q = ops.linear(self.q_b_proj, ops.norm(self.q_a_layernorm, first)) if self.q_lora \
-            else first
+        q_latent = ops.norm(self.q_a_layernorm, first) if self.q_lora else None
+        q = ops.linear(self.q_b_proj, q_latent) if self.q_lora else first
         q = q.view(t, self.num_heads, -1)
         if meta.kv_slots is None:          # metadata built for the Triton kernels
             out = self.attend_paged(q, ckv, positions, rotary, meta)
         else:
-            out = self.attend_portable(q, ckv, positions, rotary, meta)
+            selection = None
+            if self.indexer is not None:   # DSA: only the indexer's top-k keys
+                from onespec.models.dsa import select_keys
+                selection = select_keys(self, x, q_latent, positions, rotary, meta)
+            out = self.attend_portable(q, ckv, positions, rotary, meta, selection)
         return ops.linear(self.o_proj, out.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _padded(self, rows, meta: AttentionMetadata):
@@ -307,17 +367,23 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]      # W_UK [h, n, r], W_UV [h, v, r]
 
-    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
+    def attend_portable(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata,
+                        selection=None):
         """q [T, h, n + p], ckv [T, r + p] (the projections) -> [T, h, v] through PyTorch:
-        rotary and the latents' write, then absorbed or expanded attention by row count."""
+        rotary and the latents' write, then absorbed or expanded attention by row count;
+        selection (a dsa.Selection, DeepSeek-V3.2): the only keys each row attends to,
+        gathered in the absorbed form, a mask in the expanded one."""
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], -1)
         c, k_pe = ckv.split([self.kv_lora_rank, self.rope_dim], -1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
         latent = torch.cat([self.ops.norm(self.kv_a_layernorm, c), k_pe.squeeze(1)], -1)
         self.latent_cache.index_copy_(0, meta.slot_mapping, latent.to(self.latent_cache.dtype))
         if meta.max_q <= ABSORB_MAX_ROWS:
+            if selection is not None:
+                return self.attend_selected(q_nope, q_pe, meta, selection)
             return self.attend_absorbed(q_nope, q_pe, meta)
-        return self.attend_expanded(q_nope, q_pe, meta)
+        mask = None if selection is None else selection.mask(meta.kv_slots.shape[1]) & meta.mask
+        return self.attend_expanded(q_nope, q_pe, meta, mask)
 
     def _latent_query(self, q_nope):
         """q_nope_h W_UK_h [T, h, r]: the nope part of a query against the latents."""
@@ -341,6 +407,24 @@ class MLAttention(nn.Module):
                                              enable_gqa=True)         # [B, h, Qmax, r]
         return self._values(self._unpadded(out, meta))
 
+    def attend_selected(self, q_nope, q_pe, meta: AttentionMetadata, selection):
+        """attend_absorbed over each row's selected latents only (gathered: a row reads its
+        top-k latents, not its whole context); selection: a dsa.Selection."""
+        query = self._padded(self._absorbed_query(q_nope, q_pe), meta)   # [B, h, Qmax, r + p]
+        b, heads, qmax, width = query.shape
+        picked = selection.picked.expand(b, qmax, -1)                    # [B, Qmax, n]
+        n = picked.shape[-1]
+        num_keys = meta.kv_slots.shape[1]
+        slots = meta.kv_slots.gather(1, picked.clamp(max=num_keys - 1).reshape(b, -1))
+        latents = self.latent_cache[slots].view(b * qmax, 1, n, width)  # [BQ, 1, n, r + p]
+        valid = selection.valid.expand(b, qmax, -1).reshape(b * qmax, 1, 1, n)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2).reshape(b * qmax, heads, 1, width), latents,
+            latents[..., :self.kv_lora_rank], attn_mask=valid, scale=self.scale,
+            enable_gqa=True)                                             # [BQ, h, 1, r]
+        out = out.view(b, qmax, heads, -1).transpose(1, 2)               # [B, h, Qmax, r]
+        return self._values(self._unpadded(out, meta))
+
     def attend_paged(self, q, ckv, positions, rotary: MLARotary, meta: AttentionMetadata):
         """attend_portable through the Triton kernels: one writes the latents and builds
         the absorbed queries, one walks the block tables (every row count: prefill chunks
@@ -355,8 +439,9 @@ class MLAttention(nn.Module):
                                 positions, self.kv_lora_rank, self.scale, meta.block_size)
         return self._values(out)
 
-    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata):
-        """As attend_absorbed, with each cached latent expanded into per-head keys/values."""
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, mask=None):
+        """As attend_absorbed, with each cached latent expanded into per-head keys/values;
+        mask [B, 1, Qmax, KV]: instead of meta.mask."""
         latents = self.latent_cache[meta.kv_slots]                   # [B, KV, r + p]
         c, k_pe = latents.split([self.kv_lora_rank, self.rope_dim], -1)
         kv = self.kv_b_proj(c).view(*c.shape[:2], self.num_heads, -1)
@@ -364,7 +449,8 @@ class MLAttention(nn.Module):
         keys = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], -1)
         query = self._padded(torch.cat([q_nope, q_pe], -1), meta)
         out = F.scaled_dot_product_attention(query, keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=meta.mask,
+                                             values.transpose(1, 2),
+                                             attn_mask=meta.mask if mask is None else mask,
                                              scale=self.scale)
         return self._unpadded(out, meta)
 
@@ -454,3 +540,10 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
         if m and int(m.group(1)) >= self.config.num_hidden_layers:
             return None          # MTP layers: read by the MTP drafter, not the target
         return super().checkpoint_rename(name)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (models/dsa.py). Portable
+    path only: kernels/mla.py attends to every cached latent, with no per-query selection
+    (attention_backend='triton' is refused for it)."""
+    supports_triton = False

@@ -13,7 +13,8 @@ from torch import nn
 from onespec.distributed.layers import shard_decoder, shard_weights
 from onespec.engine.memory import require_bytes
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
+from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from onespec.models.glm4_moe import Glm4MoeForCausalLM
 from onespec.models.gpt_oss import GptOssForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, checkpoint_keys, init_dummy_weights,
@@ -26,6 +27,9 @@ TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in 
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
 TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
 TARGET_MODELS["GptOssForCausalLM"] = GptOssForCausalLM
+TARGET_MODELS["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
+TARGET_MODELS["Glm4MoeLiteForCausalLM"] = DeepseekV3ForCausalLM     # MLA + GLM's MoE
+TARGET_MODELS["DeepseekV32ForCausalLM"] = DeepseekV32ForCausalLM
 
 
 def register_target(architecture: str, cls: type[nn.Module]):

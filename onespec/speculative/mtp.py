@@ -9,11 +9,15 @@ its KV for every row at step 0, as in MTP-Eagle; layer j >= 1 runs only at step 
 row per request, so its KV layer holds the rows it drafted from in earlier steps (other
 positions are not written: its drafts are weaker than a layer fed every position, and
 verification keeps the output lossless either way).
+
+On DeepSeek-V3.2 (sparse attention) the MTP layers' draft steps 1..K-1 reuse the top-k
+selection of step 0's row they continue from (`use_index_share`, models/dsa.py IndexShare).
 """
 from __future__ import annotations
 
 import torch
 
+from onespec.models.dsa import IndexShare
 from onespec.models.mtp import MTPHead
 from onespec.quant.fp8 import linear_dtype
 
@@ -21,10 +25,15 @@ from onespec.quant.fp8 import linear_dtype
 class MTPDrafter:
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, head: MTPHead, target, vanilla: bool = False):
+    def __init__(self, head: MTPHead, target, vanilla: bool = False, index_share: bool = True):
         self.head, self.target, self.vanilla = head, target, vanilla
         self.dtype = linear_dtype(head.layers[0].eh_proj)
         self._layer = head.layers[0]        # the layer of the latest forward (its head)
+        # sparse-attention layers (DeepSeek-V3.2): one selection shared by the draft steps
+        self.index_share = IndexShare() if index_share and any(
+            getattr(a, "indexer", None) is not None for a in self.attention_layers) else None
+        for a in self.attention_layers if self.index_share is not None else ():
+            a.index_share = self.index_share
 
     @property
     def attention_layers(self):
@@ -40,6 +49,8 @@ class MTPDrafter:
     def forward(self, input_ids, positions, hidden, meta, step: int = 0):
         layer = self.head.layers[step if self.vanilla else 0]
         self._layer = layer
+        if self.index_share is not None:
+            self.index_share.step = step
         embed = layer.embed_tokens if layer.embed_tokens is not None \
             else self.target.model.embed_tokens
         return layer(embed(input_ids).to(self.dtype), hidden, positions, self.head.rotary,

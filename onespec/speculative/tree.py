@@ -165,9 +165,10 @@ def _slots(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
 
 
 def cache_tensors(attn) -> list[Tensor]:
-    """The per-slot cache tensors of an attention layer (keys and values, or MLA's latents)."""
+    """The per-slot cache tensors of an attention layer (keys and values, or MLA's latents
+    and DSA's indexer keys)."""
     return [t for t in (getattr(attn, name, None) for name in ("k_cache", "v_cache",
-                                                                 "latent_cache"))
+                                                                 "latent_cache", "index_cache"))
             if t is not None]
 
 

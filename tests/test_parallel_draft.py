@@ -344,3 +344,56 @@ def test_bad_checkpoints_fail_with_clear_errors(pair, tmp_path, edit, match):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=match):
         parallel_llm(target, str(bad), 2, device="cpu")
+
+
+# ---- training ------------------------------------------------------------------------------
+
+def test_cod_sampling_and_mask():
+    """Depth d's anchors are a subset of depth d-1's, shrinking like ratio^d down to the
+    floor; a row sees committed rows up to its anchor and its own rollout only."""
+    from onespec.train.peagle import cod_anchors, peagle_mask, peagle_rows
+    valid = torch.ones(100, dtype=torch.bool)
+    valid[90:] = False
+    anchors = cod_anchors(valid, 5, 0.5, 0.2, torch.Generator().manual_seed(0))
+    assert [a.numel() for a in anchors] == [45, 22, 18, 18]      # of 90 valid
+    for shallow, deep in zip(anchors, anchors[1:]):
+        assert set(deep.tolist()) <= set(shallow.tolist())
+    anchor, depth = peagle_rows(4, [torch.tensor([1, 2]), torch.tensor([2])], "cpu")
+    mask = peagle_mask(anchor, depth)
+    # rows: (0,0) (1,0) (2,0) (3,0) (1,1) (2,1) (2,2)
+    assert mask[6].tolist() == [True, True, True, False, False, True, True]
+    assert mask[4].tolist() == [True, True, False, False, True, False, False]
+
+
+def test_train_peagle_lowers_loss_at_every_depth_and_drafts_losslessly(tmp_path):
+    """`onespec train peagle` on a tiny corpus (the target's own greedy text): every
+    depth's loss falls, the head is written in the speculators P-EAGLE layout, and the
+    engine drafts with it in parallel, losslessly and with drafts accepted."""
+    from onespec.train.cli import main
+    from train_utils import self_generated_records, write_jsonl
+    tdir = str(tmp_path / "target")
+    make_hf_model(tdir, "llama", num_layers=5, hidden_size=32)
+    data = str(tmp_path / "data.jsonl")
+    write_jsonl(data, self_generated_records(tdir, num=48, seq_len=64))
+    out = str(tmp_path / "head")
+    assert main(["peagle", "--target", tdir, "--data", data, "--out", out, "--depth", "3",
+                 "--layers", "2", "--draft-vocab", "96", "--max-len", "64",
+                 "--batch-tokens", "256", "--lr", "3e-3", "--epochs", "50",
+                 "--max-steps", "60", "--device", "cpu", "--save-every", "0",
+                 "--log-every", "10", "--no-progress"]) == 0
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    first, last = log[0]["loss_per_step"], log[-1]["loss_per_step"]
+    assert len(first) == 3 and all(b < 0.8 * a for a, b in zip(first, last)), (first, last)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == 128
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert load_file(os.path.join(out, "model.safetensors"))["mask_hidden"].shape == (1, 1, 96)
+    prompts = [r["input_ids"][:8] for r in self_generated_records(tdir, num=4, seed=7)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = token_ids(LLM(tdir, device="cpu", dtype="float32").generate(prompts, params))
+    llm = parallel_llm(tdir, out, 3, device="cpu")
+    assert token_ids(llm.generate(prompts, params)) == plain
+    assert llm.stats()["num_accepted_draft_tokens"] > 0
+    assert_pool_full(llm)

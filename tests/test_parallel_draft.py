@@ -325,6 +325,29 @@ def test_dictionary_form_and_refusals(pair, tmp_path):
         parallel_llm(target, chain, 2, device="cpu")
 
 
+def test_vllm_flat_layout_drafts_alike(pair, tmp_path):
+    """vLLM's converted P-EAGLE config (a flat LlamaForCausalLM config with draft_vocab_size
+    and ptd_token_id, weights under "model.") drafts exactly as the speculators layout."""
+    target, _, head, _ = pair
+    with open(os.path.join(head, "config.json")) as f:
+        cfg = json.load(f)
+    flat = {**cfg["transformer_layer_config"], "architectures": ["LlamaForCausalLM"],
+            "draft_vocab_size": DRAFT_VOCAB, "ptd_token_id": MASK,
+            "eagle_aux_hidden_state_layer_ids": list(CAPTURE_AUX)}
+    os.makedirs(tmp_path / "flat")
+    with open(tmp_path / "flat" / "config.json", "w") as f:
+        json.dump(flat, f)
+    w = load_file(os.path.join(head, "model.safetensors"))
+    save_file({("model." + k if k.startswith("layers.") else k): v for k, v in w.items()},
+              str(tmp_path / "flat" / "model.safetensors"))
+    runs = []
+    for path in (head, str(tmp_path / "flat")):
+        llm = parallel_llm(target, path, 4)
+        outs = llm.generate(PROMPTS, GREEDY)
+        runs.append((token_ids(outs), llm.stats()["acceptance_rate_per_position"]))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda c: c.pop("mask_token_id"), "needs a mask token"),
     (lambda c: c.update(norm_before_fc=True), "norm_before_fc=true is not supported"),
@@ -396,4 +419,25 @@ def test_train_peagle_lowers_loss_at_every_depth_and_drafts_losslessly(tmp_path)
     llm = parallel_llm(tdir, out, 3, device="cpu")
     assert token_ids(llm.generate(prompts, params)) == plain
     assert llm.stats()["num_accepted_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
+# ---- CUDA: the Triton backend, CUDA graphs and the overlap scheduler ----------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs, overlap", [(False, False), (True, False), (True, True)])
+def test_parallel_drafting_on_cuda(pair, graphs, overlap):
+    """On the Triton backend, eager and graphed (and overlapped) parallel steps give the
+    plain output, with one head forward a step; graphs are replayed and chained."""
+    target, _, head, plain = pair
+    llm = LLM(target, device="cuda", dtype="float32", max_batch_size=8, cuda_graphs=graphs,
+              overlap_scheduler=overlap, speculative_config=Eagle3Config(
+                  head, max_draft_len=4, parallel_drafting=True))
+    assert llm.engine.runner.worker.attn_backend == "triton"
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert llm.stats()["num_accepted_draft_tokens"] >= 0
+    if graphs:
+        assert llm.engine.runner.graphs.num_replays > 0
+        assert (llm.engine.runner.graphs.num_chained > 0) == overlap
     assert_pool_full(llm)

@@ -107,7 +107,7 @@ def _check_parallel_head(head_cfg: Eagle3HeadConfig, sc: Eagle3Config):
         raise ValueError(f"parallel_drafting=True needs a parallel (P-EAGLE) head with a mask "
                          f"token and mask_hidden; {sc.draft_model!r} is a chain EAGLE-3 head "
                          "(set parallel_drafting=False)")
-    if sc.max_draft_len > head_cfg.parallel_depth:
+    if head_cfg.parallel_depth is not None and sc.max_draft_len > head_cfg.parallel_depth:
         raise ValueError(f"max_draft_len must be <= the head's trained parallel depth "
                          f"({head_cfg.parallel_depth}) with parallel_drafting, got "
                          f"{sc.max_draft_len}")

@@ -35,8 +35,9 @@ class Eagle3HeadConfig:
     aux_layer_ids: tuple[int, ...] | None   # input-to convention, as written in checkpoints
     norm_before_residual: bool
     fmt: str                            # "safeailab" | "speculators"
-    # parallel (P-EAGLE) heads: the mask token fed at positions after the first, and the
-    # number of tokens one forward was trained to propose (None: a chain head)
+    # parallel (P-EAGLE) heads: the mask token fed at positions after the first (None: a
+    # chain head), and the number of tokens one forward was trained to propose (None: not
+    # written in the config)
     mask_token_id: int | None = None
     parallel_depth: int | None = None
 
@@ -52,7 +53,8 @@ class Eagle3HeadConfig:
             fmt, layer_cfg = "speculators", dict(cfg.get("transformer_layer_config") or {})
             if not layer_cfg:
                 raise ValueError("speculators config lacks transformer_layer_config")
-        elif "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []):
+        elif "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []) or \
+                _vllm_parallel_config(cfg):
             fmt, layer_cfg = "safeailab", dict(cfg)
         else:
             _refuse_other_drafters(cfg, source)
@@ -108,8 +110,17 @@ def _parallel_fields(cfg: dict, kind, source: str) -> tuple[int | None, int | No
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         depth = methods[0].get("speculative_tokens")
     _check_count(source, "mask token id", mask, 0)
-    _check_count(source, "num_depths (the parallel depth)", depth, 1)
+    if depth is not None:       # (vLLM's flat configs do not say it)
+        _check_count(source, "num_depths (the parallel depth)", depth, 1)
     return mask, depth
+
+
+def _vllm_parallel_config(cfg: dict) -> bool:
+    """vLLM's converted P-EAGLE config: a flat Llama config ("LlamaForCausalLM") with the
+    drafter's draft_vocab_size and ptd_token_id (or pard_token)."""
+    return "LlamaForCausalLM" in (cfg.get("architectures") or []) and \
+        "draft_vocab_size" in cfg and \
+        any(cfg.get(k) is not None for k in ("ptd_token_id", "pard_token"))
 
 
 def _check_count(source: str, name: str, value, low: int):

@@ -30,9 +30,13 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     if dummy:
         return _dummy_head(cfg, num_captured, device, dtype, ops)
     weights = dict(iter_weights(path, desc="loading draft head"))
-    prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
-    if not any(k.startswith(prefix) for k in weights):
-        raise ValueError(f"{what}: config says {cfg.fmt} format but no '{prefix}*' weights found")
+    if cfg.parallel:        # (vLLM-converted heads may keep the model's "model." prefix)
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    prefixes = ("midlayer.", "layers.0.") if cfg.fmt == "safeailab" and cfg.parallel else \
+        ("midlayer.",) if cfg.fmt == "safeailab" else ("layers.0.",)
+    if not any(k.startswith(prefixes) for k in weights):
+        raise ValueError(f"{what}: config says {cfg.fmt} format but no "
+                         f"{' or '.join(p + '*' for p in prefixes)} weights found")
     with torch.device("meta"):
         head = Eagle3Head(cfg, num_captured, ops)
     has_embed = "embed_tokens.weight" in weights

@@ -284,14 +284,14 @@ def _chi_square_pvalue(samples, joint):
                                          stat / 2))
 
 
-def _small_head(path):
-    """A random one-layer parallel head for the 16-token target, saved by onespec's writer
-    (speculators layout), mask token inside the vocabulary."""
+def _small_head(path, vocab: int = SMALL_VOCAB):
+    """A random one-layer parallel head for a `vocab`-token target of hidden size 64, saved
+    by onespec's writer (speculators layout), mask token inside the vocabulary."""
     from onespec.models.eagle3 import Eagle3Head, Eagle3HeadConfig
     from onespec.models.eagle3_io import save_eagle3_head
     layer = dict(hidden_size=64, intermediate_size=144, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=1, rms_norm_eps=1e-6,
-                 vocab_size=SMALL_VOCAB, max_position_embeddings=256)
+                 vocab_size=vocab, max_position_embeddings=256)
     cfg = Eagle3HeadConfig.from_hf({"speculators_model_type": "peagle",
                                     "transformer_layer_config": layer, "mask_token_id": 0,
                                     "num_depths": 3})
@@ -301,6 +301,32 @@ def _small_head(path):
         for p in head.parameters():
             p.normal_(0, 0.3) if p.dim() == 2 else p.normal_(1.0, 0.1)
     save_eagle3_head(head, path, "speculators")
+
+
+def test_structured_outputs_follow_the_grammar(tmp_path):
+    """Grammar masks apply to each parallel draft in turn (the worker's per-draft picks over
+    the one forward's rows): constrained greedy output equals plain constrained output."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("jsonschema")
+    from test_serve import write_tokenizer
+    from test_structured import CASES, PROMPTS as TEXT_PROMPTS, check, constrained
+    make_hf_model(tmp_path, "llama", num_layers=5, vocab_size=300, seed=2)
+    write_tokenizer(tmp_path, 300, chat_template=None)
+    _small_head(str(tmp_path / "head"), vocab=300)
+    cases = [CASES[0], CASES[5]]                 # a JSON schema and a regex
+    prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(cases))]
+    params = [constrained(so) for _, _, so in cases]
+    ref = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
+    llm = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32",
+              speculative_config=Eagle3Config(str(tmp_path / "head"), max_draft_len=3,
+                                              parallel_drafting=True))
+    out = llm.generate(prompts, params)
+    for (kind, value, _), r, o in zip(cases, ref, out):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
+        assert r.outputs[0].finish_reason == "stop", (kind, r.outputs[0].text)
+        check(kind, value, r.outputs[0].text)
+    assert llm.stats()["num_accepted_draft_tokens"] > 0
+    assert_pool_full(llm)
 
 
 # ---- configuration and formats -----------------------------------------------------------

@@ -230,6 +230,19 @@ def test_drafts_match_cache_free_reference(pair, k):
                                   lambda ids: reference_drafts(hf, w, ids, k), k)
 
 
+def test_drafts_after_a_prefix_cache_hit_match_the_reference(pair):
+    """The head's KV in cached blocks (written by another request's parallel forwards) is
+    what this request's own would be: drafts after a hit equal the reference."""
+    target, hf, head, _ = pair
+    w = load_file(os.path.join(head, "model.safetensors"))
+    llm = parallel_llm(target, head, 3, device="cpu", block_size=4)
+    base = list(range(20, 45))
+    llm.generate([base], GREEDY)
+    assert_drafts_match_reference(llm, [base + [7, 8], base[:13] + [9]], GREEDY,
+                                  lambda ids: reference_drafts(hf, w, ids, 3), 3)
+    assert llm.stats()["num_cached_tokens"] >= 24 + 12
+
+
 # ---- sampled output keeps the target's distribution --------------------------------------
 
 SMALL_VOCAB, SAMPLE_PROMPT, NUM_SAMPLES = 16, [3, 7, 1, 12, 5], 4000

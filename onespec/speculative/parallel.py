@@ -51,9 +51,9 @@ def gen_rows(k: int) -> int:
 def parallel_forward(drafter: ParallelDrafter, inp, captured, context_tokens, accepted,
                      num_accepted, attn_backend: str):
     """The step's one head forward (module docstring). accepted [Bg, K+1], num_accepted
-    [Bg]. Returns the hidden rows of every drafting request's K drafts [Bd, K, H] and its
-    root positions [Bd], in draft_reqs order, or None when nothing is drafted (K = 0, or
-    no request drafts)."""
+    [Bg]. Returns the hidden rows of every drafting request's K drafts [K, Bd, H] (each
+    draft's rows whole, for the picks) and its root positions [Bd], in draft_reqs order,
+    or None when nothing is drafted (K = 0, or no request drafts)."""
     k, g, start = inp.k, inp.num_gen, inp.gen_start
     device = inp.positions.device
     ids = _real_ids(inp, context_tokens, accepted)                            # [T]
@@ -82,8 +82,8 @@ def parallel_forward(drafter: ParallelDrafter, inp, captured, context_tokens, ac
         if k == 0 or len(inp.draft_reqs) == 0:
             return None
         roots = torch.arange(g, device=device) * r + num_accepted - 1
-        return out[roots[:, None] + torch.arange(k, device=device)[None, :]], \
-            g_pos[roots]                                                      # [Bg, K, H]
+        return out[roots[None, :] + torch.arange(k, device=device)[:, None]], \
+            g_pos[roots]                                                      # [K, Bg, H]
 
     # context chunks first (as they are), then the generation rows, then the K - 1 mask
     # rows after each chunk that ends its prompt
@@ -115,7 +115,7 @@ def parallel_forward(drafter: ParallelDrafter, inp, captured, context_tokens, ac
     g_root = start + torch.arange(g, device=device) * r + num_accepted - 1
     g_out = g_root[:, None] + torch.arange(k, device=device)[None, :]         # [Bg, K]
     root_pos = torch.cat([inp.positions[c_rows], all_pos[g_root]])
-    return out[torch.cat([c_out, g_out])], root_pos                           # [Bd, K, H]
+    return out[torch.cat([c_out, g_out]).T], root_pos                         # [K, Bd, H]
 
 
 def _real_ids(inp, context_tokens, accepted) -> torch.Tensor:

@@ -65,7 +65,7 @@ class DraftLoop:
     meta: AttentionMetadata | None = None
     tokens: list = field(default_factory=list)   # [Bd] target ids per step
     probs: list = field(default_factory=list)    # [Bd, V] q per step (rejection sampling)
-    ahead: torch.Tensor | None = None      # [Bd, K, H] every step's hidden (parallel drafting)
+    ahead: torch.Tensor | None = None      # [K, Bd, H] every step's hidden (parallel drafting)
 
     def result(self, with_probs: bool):
         """drafts [Bd, K] and, with rejection sampling, their q [Bd, K, V]."""
@@ -232,8 +232,8 @@ class SpecWorker:
                                    num_accepted, self.attn_backend)
             if out is None:
                 return None
-            rows, pos = out
-            return DraftLoop(rows[:, 0], pos, None, ahead=rows)
+            ahead, pos = out                                # [K, Bd, H], [Bd]
+            return DraftLoop(ahead[0], pos, None, ahead=ahead)
         h = self.first_pass(inp, hidden, captured, context_tokens, accepted)
         if inp.k == 0 or len(inp.draft_reqs) == 0:
             return None
@@ -244,7 +244,7 @@ class SpecWorker:
         """Draft step `step` (its forward for step > 0, then the pick): the drafts [Bd]."""
         if step > 0 and loop.ahead is not None:
             loop.pos = loop.pos + 1
-            loop.h = loop.ahead[:, step]
+            loop.h = loop.ahead[step]
         elif step > 0:
             loop.pos = loop.pos + 1
             loop.meta = build_attention_metadata(

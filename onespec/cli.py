@@ -20,7 +20,8 @@ COMMANDS = {
     "serve": ("onespec.serve.cli:main", "OpenAI-compatible HTTP server"),
     "bench": ("onespec.bench.decode:main",
               "decode benchmark of a random-weight model, plain and speculative"),
-    "train": ("onespec.train.cli:main", "train an EAGLE-3 draft head for a target model"),
+    "train": ("onespec.train.cli:main",
+              "train an EAGLE-3 or P-EAGLE draft head for a target model"),
 }
 DEFAULT_K = 3
 # dependencies a command imports only when it runs (the server's)

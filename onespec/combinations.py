@@ -22,6 +22,7 @@ EAGLE3 = "Eagle3Config"
 MTP = "MTPConfig"
 NGRAM = "NGramConfig"
 TREE = "use_dynamic_tree=True"
+PARALLEL = "parallel_drafting=True"
 REJECTION = "use_rejection_sampling=True"
 RELAXED = "use_relaxed_acceptance_for_thinking=True"
 FORCED = "forced acceptance (force_acceptance_length or force_acceptance_rates)"
@@ -56,6 +57,8 @@ REFUSED = (
     Refusal(TREE, SLIDING, "tree masks assume every key of the request is kept"),
     Refusal(TREE, TRITON_NO_TREE_MASKS, "use_dynamic_tree runs on attention_backend='torch' "
                                         "there"),
+    Refusal(PARALLEL, TREE, "one parallel forward proposes one chain of K drafts"),
+    Refusal(PARALLEL, TP, "parallel drafting runs on one rank for now"),
     Refusal(RELAXED, REJECTION, "relaxed acceptance is for greedy requests"),
     Refusal(RELAXED, FORCED, "forced acceptance sets the accepted counts itself"),
     Refusal(REJECTION, FORCED, "forced acceptance sets the accepted counts itself"),
@@ -85,7 +88,8 @@ def spec_features(sc) -> set[str]:
     if sc is None:
         return set()
     on = {type(sc).__name__}
-    flags = {TREE: "use_dynamic_tree", REJECTION: "use_rejection_sampling",
+    flags = {TREE: "use_dynamic_tree", PARALLEL: "parallel_drafting",
+             REJECTION: "use_rejection_sampling",
              RELAXED: "use_relaxed_acceptance_for_thinking", SA: "use_sa_enhancer"}
     on |= {name for name, field in flags.items() if getattr(sc, field, False)}
     if sc.force_acceptance_length is not None or sc.force_acceptance_rates is not None:

@@ -246,6 +246,9 @@ class Eagle3Config(SpeculativeConfig):
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = 4                     # frontier width and children per node
     max_total_draft_tokens: int | None = None          # nodes verified; None = topK * depth
+    # one head forward proposes all K drafts (P-EAGLE heads: docs/DECODING.md, "Parallel
+    # drafting"); vLLM's {"method": "eagle3", "parallel_drafting": true}
+    parallel_drafting: bool = False
 
     def _check_own(self):
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -257,7 +260,7 @@ class Eagle3Config(SpeculativeConfig):
                     isinstance(i, int) and i >= 0 for i in self.layers_to_capture):
                 raise ValueError("layers_to_capture must be a non-empty tuple of layer ids >= 0, "
                                  f"got {self.layers_to_capture!r}")
-        _check_bools(self, "use_dynamic_tree")
+        _check_bools(self, "use_dynamic_tree", "parallel_drafting")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, "
                              f"got {self.draft_dtype!r}")

@@ -29,6 +29,7 @@ from onespec.models.registry import load_target, resolve_device, resolve_dtype, 
 from onespec.speculative.acceptors import make_acceptor
 from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.mtp import MTPDrafter
+from onespec.speculative.parallel import ParallelDrafter
 from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.worker import SpecWorker
 
@@ -100,6 +101,18 @@ class RankParts:
                    b.ops, model, drafter, max_model_len, k, max_positions, num_blocks, worker)
 
 
+def _check_parallel_head(head_cfg: Eagle3HeadConfig, sc: Eagle3Config):
+    """parallel_drafting needs a head trained for it, and K within its trained depth."""
+    if not head_cfg.parallel:
+        raise ValueError(f"parallel_drafting=True needs a parallel (P-EAGLE) head with a mask "
+                         f"token and mask_hidden; {sc.draft_model!r} is a chain EAGLE-3 head "
+                         "(set parallel_drafting=False)")
+    if head_cfg.parallel_depth is not None and sc.max_draft_len > head_cfg.parallel_depth:
+        raise ValueError(f"max_draft_len must be <= the head's trained parallel depth "
+                         f"({head_cfg.parallel_depth}) with parallel_drafting, got "
+                         f"{sc.max_draft_len}")
+
+
 class _Builder:
     """The settings the parts are built with, and the loaders that use them."""
 
@@ -144,9 +157,13 @@ class _Builder:
                              "layers (ids are outputs-of; checkpoint aux ids are inputs-to)")
         draft_dtype = self.dtype if sc.draft_dtype in ("auto", "fp8") \
             else getattr(torch, sc.draft_dtype)
+        if sc.parallel_drafting:
+            _check_parallel_head(head_cfg, sc)
         head = load_eagle3_head(sc.draft_model, model.config, len(capture), self.device,
                                 draft_dtype, dummy=dummy, ops=self.ops,
                                 quantize=sc.draft_dtype == "fp8")
+        if sc.parallel_drafting:
+            return ParallelDrafter(head.eval(), model, tuple(capture))
         return Eagle3Drafter(head.eval(), model, tuple(capture))
 
     def num_kv_blocks(self, attn_layers, blocks_per_seq: int, max_model_len: int) -> int:

@@ -85,6 +85,30 @@ def build_attention_metadata(block_tables: torch.Tensor, q_lens: list[int] | int
         return meta
     if token_idx is None:
         token_idx = rows % q_lens
+    return _with_torch_mask(meta, token_idx, max_q, max_kv)
+
+
+def metadata_for_rows(block_tables: torch.Tensor, token_req: torch.Tensor,
+                      token_idx: torch.Tensor | None, positions: torch.Tensor,
+                      block_size: int, max_q: int, max_kv: int,
+                      sliding_window: int | None = None, backend: str = "torch"
+                      ) -> AttentionMetadata:
+    """Metadata of rows given on the device, in any order: token_req [T] (request of each
+    row), token_idx [T] (its index among the request's rows; the torch backend only),
+    positions [T]; max_q, max_kv: host bounds on rows per request and positions + 1.
+    (Parallel drafting's forward: speculative/parallel.py.)"""
+    meta = AttentionMetadata(token_req, positions, block_tables, block_size, sliding_window)
+    if backend == "triton":
+        return meta
+    return _with_torch_mask(meta, token_idx, max_q, max_kv)
+
+
+def _with_torch_mask(meta: AttentionMetadata, token_idx: torch.Tensor, max_q: int,
+                     max_kv: int) -> AttentionMetadata:
+    """The torch backend's key slots [B, KVmax] and causal (and window) mask."""
+    block_tables, block_size, sliding_window = meta.block_tables, meta.block_size, \
+        meta.sliding_window
+    token_req, positions, device = meta.token_req, meta.positions, meta.positions.device
     kv_pos = torch.arange(max_kv, device=device)                             # [KVmax]
     need = -(-max_kv // block_size)
     tables = block_tables if block_tables.shape[1] >= need else \

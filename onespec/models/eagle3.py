@@ -6,6 +6,11 @@
     h'  = r + o_proj(attn(a))                            # r = h (or hidden_norm(h))
     h'' = h' + mlp(post_attention_layernorm(h'))         # carried to the next step
     logits = lm_head(norm(h''))                          # draft vocab; id + d2t[id] = target id
+
+A parallel (P-EAGLE) head is the same network with a learned `mask_hidden` [n·H_target]
+and a mask token: one forward drafts K tokens, the positions after the first fed
+(embed(mask token), fc(mask_hidden)) instead of a drafted token and a carried hidden
+(docs/DECODING.md, "Parallel drafting").
 """
 from __future__ import annotations
 
@@ -30,20 +35,34 @@ class Eagle3HeadConfig:
     aux_layer_ids: tuple[int, ...] | None   # input-to convention, as written in checkpoints
     norm_before_residual: bool
     fmt: str                            # "safeailab" | "speculators"
+    # parallel (P-EAGLE) heads: the mask token fed at positions after the first (None: a
+    # chain head), and the number of tokens one forward was trained to propose (None: not
+    # written in the config)
+    mask_token_id: int | None = None
+    parallel_depth: int | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.mask_token_id is not None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Eagle3HeadConfig":
-        if cfg.get("speculators_model_type") == "eagle3":
+        source = getattr(cfg, "source", "the EAGLE-3 head's config.json")
+        kind = cfg.get("speculators_model_type")
+        if kind in ("eagle3", "peagle"):
             fmt, layer_cfg = "speculators", dict(cfg.get("transformer_layer_config") or {})
             if not layer_cfg:
                 raise ValueError("speculators config lacks transformer_layer_config")
-        elif "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []):
+        elif "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []) or \
+                _vllm_parallel_config(cfg):
             fmt, layer_cfg = "safeailab", dict(cfg)
         else:
+            _refuse_other_drafters(cfg, source)
             raise ValueError("not an EAGLE-3 head: config.json needs architectures "
                              "['LlamaForCausalLMEagle3'] (SafeAILab) or speculators_model_type "
-                             f"'eagle3'; got architectures={cfg.get('architectures')!r}")
-        source = getattr(cfg, "source", "the EAGLE-3 head's config.json")
+                             f"'eagle3' or 'peagle'; got architectures="
+                             f"{cfg.get('architectures')!r}")
+        mask_token, depth = _parallel_fields(cfg, kind, source)
         layer_cfg["architectures"] = ["LlamaForCausalLM"]
         layer_cfg.setdefault("rope_theta", 10000.0)
         decoder = DecoderConfig.from_hf(layer_cfg, source)
@@ -62,7 +81,62 @@ class Eagle3HeadConfig:
             aux_layer_ids=tuple(aux) if aux else None,
             norm_before_residual=bool(cfg.get("norm_before_residual", False)),
             fmt=fmt,
+            mask_token_id=mask_token,
+            parallel_depth=depth,
         )
+
+
+# where parallel heads keep their mask token: speculators writes mask_token_id; vLLM's
+# converted configs carry ptd_token_id or pard_token
+MASK_TOKEN_KEYS = ("mask_token_id", "ptd_token_id", "pard_token")
+
+
+def _parallel_fields(cfg: dict, kind, source: str) -> tuple[int | None, int | None]:
+    """(mask token id, trained parallel depth) of a P-EAGLE head, (None, None) for a chain
+    head. The depth is `num_depths` where written, else the speculators proposal's
+    `speculative_tokens`."""
+    mask = next((cfg[k] for k in MASK_TOKEN_KEYS if cfg.get(k) is not None), None)
+    if kind == "peagle" and mask is None:
+        raise ValueError(f"{source}: a P-EAGLE head (speculators_model_type 'peagle') needs "
+                         f"a mask token: one of {', '.join(MASK_TOKEN_KEYS)}")
+    if mask is None:
+        return None, None
+    for flag in ("norm_before_fc", "norm_output"):
+        if cfg.get(flag):
+            raise ValueError(f"{source}: {flag}=true is not supported for parallel heads "
+                             "(allowed: false or absent)")
+    depth = cfg.get("num_depths")
+    if depth is None:
+        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        depth = methods[0].get("speculative_tokens")
+    _check_count(source, "mask token id", mask, 0)
+    if depth is not None:       # (vLLM's flat configs do not say it)
+        _check_count(source, "num_depths (the parallel depth)", depth, 1)
+    return mask, depth
+
+
+def _vllm_parallel_config(cfg: dict) -> bool:
+    """vLLM's converted P-EAGLE config: a flat Llama config ("LlamaForCausalLM") with the
+    drafter's draft_vocab_size and ptd_token_id (or pard_token)."""
+    return "LlamaForCausalLM" in (cfg.get("architectures") or []) and \
+        "draft_vocab_size" in cfg and \
+        any(cfg.get(k) is not None for k in ("ptd_token_id", "pard_token"))
+
+
+def _check_count(source: str, name: str, value, low: int):
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{source}: {name} must be an integer >= {low}, got {value!r}")
+
+
+def _refuse_other_drafters(cfg: dict, source: str):
+    """Block drafters of other layouts get an error naming what they are."""
+    archs = cfg.get("architectures") or []
+    if "DFlashDraftModel" in archs or cfg.get("dflash_config") is not None or \
+            cfg.get("speculators_model_type") in ("dflash", "dspark"):
+        raise ValueError(f"{source}: DFlash/DSpark block drafters (architectures "
+                         f"{archs!r}) are not supported; supported heads: EAGLE-3 "
+                         "(SafeAILab 'LlamaForCausalLMEagle3', speculators 'eagle3') and "
+                         "P-EAGLE (speculators 'peagle')")
 
 
 class Eagle3Layer(nn.Module):
@@ -112,6 +186,9 @@ class Eagle3Head(nn.Module):
                              if has_map else None)
         self.rotary: RotaryEmbedding | None = None
         self.ops = ops
+        # parallel heads: the captured-layer input of positions after the first
+        self.mask_hidden = nn.Parameter(torch.zeros(num_captured * cfg.target_hidden_size)) \
+            if cfg.parallel else None
 
     def setup_rotary(self, max_positions: int, device):
         d = self.config.decoder
@@ -121,6 +198,11 @@ class Eagle3Head(nn.Module):
     def initial_hidden(self, captured):
         """fc over the captured target layers [T, n·H_target] -> step 0's hidden [T, H]."""
         return self.ops.linear(self.fc, captured)
+
+    def mask_input(self):
+        """A parallel head's hidden input at positions after the first: fc(mask_hidden)
+        [1, H]."""
+        return self.fc(self.mask_hidden.view(1, -1))
 
     def forward(self, embeds, hidden, positions, meta, ids=None, table=None):
         """embeds [T, H] (token embeddings; or None, with token ids [T] and the embedding

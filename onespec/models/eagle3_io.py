@@ -37,22 +37,31 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
         head = _dummy_head(cfg, num_captured, device, dtype, ops)
         return fp8.quantize_model(head, skip=()) if quantize else head
     weights = dict(iter_weights(path, desc="loading draft head"))
-    prefix = "midlayer." if cfg.fmt == "safeailab" else "layers.0."
-    if not any(k.startswith(prefix) for k in weights):
-        raise ValueError(f"{what}: config says {cfg.fmt} format but no '{prefix}*' weights found")
+    if cfg.parallel:        # (vLLM-converted heads may keep the model's "model." prefix)
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    prefixes = ("midlayer.", "layers.0.") if cfg.fmt == "safeailab" and cfg.parallel else \
+        ("midlayer.",) if cfg.fmt == "safeailab" else ("layers.0.",)
+    if not any(k.startswith(prefixes) for k in weights):
+        raise ValueError(f"{what}: config says {cfg.fmt} format but no "
+                         f"{' or '.join(p + '*' for p in prefixes)} weights found")
     with torch.device("meta"):
         head = Eagle3Head(cfg, num_captured, ops)
     has_embed = "embed_tokens.weight" in weights
-    if has_embed:
+    if has_embed:       # (a parallel head's may have rows past the vocabulary: its mask)
+        rows = max(cfg.target_vocab_size, weights["embed_tokens.weight"].shape[0])
         with torch.device("meta"):
-            head.embed_tokens = torch.nn.Embedding(cfg.target_vocab_size,
-                                                   cfg.decoder.hidden_size)
+            head.embed_tokens = torch.nn.Embedding(rows, cfg.decoder.hidden_size)
+    if cfg.parallel:
+        _check_mask_token(cfg, what, head.embed_tokens.num_embeddings if has_embed
+                          else target.vocab_size)
     head.to_empty(device="cpu")
     fc = weights.get("fc.weight")
     if fc is not None and fc.shape[1] != num_captured * target.hidden_size:
         raise ValueError(f"{what}: fc.weight has shape {tuple(fc.shape)}, expected "
                          f"[{cfg.decoder.hidden_size}, {num_captured * target.hidden_size}] "
                          f"({num_captured} captured layers x target hidden size)")
+    if cfg.parallel:
+        weights["mask_hidden"] = _mask_hidden(head, weights.get("mask_hidden"), what)
     maps = {k: weights.pop(k) for k in VOCAB_MAPS if k in weights}
     if head.d2t is not None:
         if "d2t" not in maps:
@@ -76,6 +85,24 @@ def load_eagle3_head(path: str, target: DecoderConfig, num_captured: int, device
     return head.to(device=device, dtype=dtype)   # floating tensors only: d2t/t2d keep theirs
 
 
+def _check_mask_token(cfg: Eagle3HeadConfig, what: str, rows: int):
+    if cfg.mask_token_id >= rows:
+        raise ValueError(f"{what}: mask token id {cfg.mask_token_id} is outside the "
+                         f"embedding it is read from ({rows} rows)")
+
+
+def _mask_hidden(head: Eagle3Head, tensor, what: str):
+    """A parallel head's learned input at positions after the first: speculators stores
+    it as [1, 1, n·H_target], others as [1, n·H_target] or flat."""
+    if tensor is None:
+        raise ValueError(f"{what}: a parallel head needs the weight 'mask_hidden'")
+    if tensor.numel() != head.mask_hidden.numel():
+        raise ValueError(f"{what}: weight 'mask_hidden' has shape {tuple(tensor.shape)}, "
+                         f"expected {head.mask_hidden.numel()} values (captured layers x "
+                         "target hidden size)")
+    return tensor.reshape(-1)
+
+
 def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype,
                 ops: TorchOps) -> Eagle3Head:
     """Random weights of the head's shape (benchmarks). The draft vocabulary is the first
@@ -85,6 +112,8 @@ def _dummy_head(cfg: Eagle3HeadConfig, num_captured: int, device, dtype,
         head = Eagle3Head(cfg, num_captured, ops)
     head.to_empty(device=device)
     init_dummy_weights(head)
+    if cfg.parallel:
+        _check_mask_token(cfg, "dummy head", cfg.target_vocab_size)
     if head.d2t is not None:
         chosen = torch.arange(cfg.draft_vocab_size)
         d2t, t2d = make_vocab_maps(chosen, cfg.target_vocab_size)
@@ -107,6 +136,8 @@ def _hf_state_dict(head: Eagle3Head, fmt: str) -> dict[str, torch.Tensor]:
             gate, up = t.chunk(2, dim=0)
             out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
             out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        elif name == "mask_hidden":
+            out[name] = t.view(1, 1, -1)      # speculators' shape
         else:
             out[name] = t
     if fmt == "safeailab":
@@ -128,23 +159,29 @@ def head_config_dict(cfg: Eagle3HeadConfig, fmt: str, speculative_tokens: int = 
     if d.rope_scaling.get("rope_type", "default") != "default":
         layer["rope_scaling"] = d.rope_scaling
     aux = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else None
+    parallel = {"mask_token_id": cfg.mask_token_id, "num_depths": cfg.parallel_depth} \
+        if cfg.parallel else {}
+    if parallel:
+        speculative_tokens = cfg.parallel_depth
+    kind = "peagle" if parallel else "eagle3"
     if fmt == "safeailab":
         out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **layer,
                "draft_vocab_size": cfg.draft_vocab_size,
-               "target_hidden_size": cfg.target_hidden_size}
+               "target_hidden_size": cfg.target_hidden_size, **parallel}
         if aux:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
         return out
     if fmt == "speculators":
         return {
-            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+            "speculators_model_type": kind, **parallel,
             "transformer_layer_config": {"architectures": ["LlamaForCausalLM"],
                                          "model_type": "llama", **layer},
             "draft_vocab_size": cfg.draft_vocab_size,
             "norm_before_residual": cfg.norm_before_residual,
             "target_hidden_size": cfg.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": aux,
-            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+            "speculators_config": {"algorithm": kind, "proposal_methods": [
                 {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}]},
         }
     raise ValueError(f"format must be 'safeailab' or 'speculators', got {fmt!r}")

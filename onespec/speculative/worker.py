@@ -18,6 +18,7 @@ from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
 from onespec.speculative.acceptors import StrictAcceptor
 from onespec.speculative.drafter import Drafter
+from onespec.speculative.parallel import parallel_forward
 from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.tree import TreeInputs
 from onespec.structured.step import RowMask, StepGrammar
@@ -63,6 +64,7 @@ class DraftLoop:
     meta: AttentionMetadata | None = None
     tokens: list = field(default_factory=list)   # [Bd] target ids per step
     probs: list = field(default_factory=list)    # [Bd, V] q per step (rejection sampling)
+    ahead: torch.Tensor | None = None      # [K, Bd, H] every step's hidden (parallel drafting)
 
     def result(self, with_probs: bool):
         """drafts [Bd, K] and, with rejection sampling, their q [Bd, K, V]."""
@@ -231,6 +233,13 @@ class SpecWorker:
         prompt)."""
         if self.drafter is None:
             return None
+        if getattr(self.drafter, "parallel", False):      # one forward drafts all K
+            out = parallel_forward(self.drafter, inp, captured, context_tokens, accepted,
+                                   num_accepted, self.attn_backend)
+            if out is None:
+                return None
+            ahead, pos = out                                # [K, Bd, H], [Bd]
+            return DraftLoop(ahead[0], pos, None, ahead=ahead)
         h = self.first_pass(inp, hidden, captured, context_tokens, accepted)
         if inp.k == 0 or len(inp.draft_reqs) == 0:
             return None
@@ -239,7 +248,10 @@ class SpecWorker:
     def draft_next(self, inp: StepInputs, loop: DraftLoop, step: int,
                    mask: RowMask | None) -> torch.Tensor:
         """Draft step `step` (its forward for step > 0, then the pick): the drafts [Bd]."""
-        if step > 0:
+        if step > 0 and loop.ahead is not None:
+            loop.pos = loop.pos + 1
+            loop.h = loop.ahead[step]
+        elif step > 0:
             loop.pos = loop.pos + 1
             loop.meta = build_attention_metadata(
                 loop.block_tables, 1, loop.pos, inp.block_size, inp.max_kv_draft, None,

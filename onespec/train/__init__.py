@@ -1,4 +1,4 @@
-"""Draft-head training: `onespec train eagle3` and `train_eagle3(TrainConfig)`."""
+"""Draft-head training: `onespec train eagle3|peagle` and `train_eagle3(TrainConfig)`."""
 from onespec.train.trainer import TrainConfig, train_eagle3
 
 __all__ = ["TrainConfig", "train_eagle3"]

@@ -1,4 +1,4 @@
-"""`onespec train eagle3 --target DIR --data FILE --out DIR [options]`."""
+"""`onespec train eagle3|peagle --target DIR --data FILE --out DIR [options]`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,8 @@ import sys
 from onespec.cli import Parser, resolve_model_dir
 from onespec.train.trainer import FORMATS, TrainConfig, train_eagle3
 
-METHODS = {"eagle3": "train an EAGLE-3 draft head with training-time test"}
+METHODS = {"eagle3": "train an EAGLE-3 draft head with training-time test",
+           "peagle": "train a P-EAGLE head (parallel drafting) with COD sampling"}
 
 
 def _layer_ids(text: str) -> tuple[int, ...]:
@@ -23,14 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def eagle3_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="onespec train eagle3", description=METHODS["eagle3"])
+def eagle3_parser(method: str = "eagle3") -> argparse.ArgumentParser:
+    """The options of `onespec train METHOD` (peagle: --depth, --layers, --cod-ratio*)."""
+    p = Parser(prog=f"onespec train {method}", description=METHODS[method])
     p.add_argument("--target", required=True, help="Hugging Face target model directory")
     p.add_argument("--data", required=True,
                    help=".jsonl/.jsonl.gz of {'text'}, {'messages'} or {'input_ids'} lines")
     p.add_argument("--out", required=True, help="output head directory")
-    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps K")
-    p.add_argument("--loss-decay", type=float, default=0.8, help="weight of step i: decay^i")
+    if method == "peagle":
+        p.add_argument("--depth", dest="ttt_steps", type=int, default=8,
+                       help="tokens one forward proposes (the largest K it serves)")
+        p.add_argument("--layers", dest="num_layers", type=int, default=2,
+                       help="decoder layers of the head")
+        p.add_argument("--cod-ratio", type=float, default=0.7,
+                       help="COD sampling: depth d keeps ratio^d of the anchors ...")
+        p.add_argument("--cod-ratio-min", type=float, default=0.2, help="... at least this")
+    else:
+        p.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps K")
+    p.add_argument("--loss-decay", type=float, default=0.8,
+                   help="weight of step (depth) i: decay^i")
     p.add_argument("--draft-vocab", type=int, default=32000,
                    help="draft vocab size (most frequent target tokens; capped at target V)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per training sample")
@@ -42,7 +54,8 @@ def eagle3_parser() -> argparse.ArgumentParser:
                    help="padded tokens per optimizer step")
     p.add_argument("--capture-layers", type=_layer_ids, default=None,
                    help="comma-separated outputs-of layer ids (default 1,L//2-1,L-4)")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="safeailab",
+    p.add_argument("--format", dest="fmt", choices=FORMATS,
+                   default="speculators" if method == "peagle" else "safeailab",
                    help="checkpoint layout of the head")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation")
@@ -74,7 +87,8 @@ def main(argv=None) -> int:
     if not argv or argv[0] not in METHODS:
         build_parser().parse_args(argv)           # prints help or the error; exits
         return 2
-    args = vars(eagle3_parser().parse_args(argv[1:]))
+    args = vars(eagle3_parser(argv[0]).parse_args(argv[1:]))
+    args["method"] = argv[0]
     try:
         args["target"] = resolve_model_dir(args["target"], "--target")
         cfg = TrainConfig(**args)

@@ -29,10 +29,12 @@ from onespec.train.data import (collate, make_batches, read_records, records_to_
                                 write_records)
 from onespec.train.features import target_batch
 from onespec.train.head import build_head
+from onespec.train.peagle import peagle_forward
 from onespec.train.ttt import StepStats, ttt_forward, ttt_loss
 from onespec.train.vocab import count_tokens, draft_vocab_maps
 
 FORMATS = ("safeailab", "speculators")
+METHODS = ("eagle3", "peagle")
 REGENERATED_FILE = "regenerated.jsonl"
 
 
@@ -66,6 +68,11 @@ class TrainConfig:
                                       # counted); the LR schedule then also spans that time
     eval_data: str | None = None      # held-out records: per-step accuracy at save points
     progress: bool = True
+    # "eagle3" (TTT over ttt_steps) | "peagle" (parallel head of depth ttt_steps, COD sampling)
+    method: str = "eagle3"
+    num_layers: int = 1               # head layers (TTT trains one-layer heads only)
+    cod_ratio: float = 0.7            # peagle: depth d keeps max(ratio^d, ratio_min) anchors
+    cod_ratio_min: float = 0.2
 
     def __post_init__(self):
         for name in ("ttt_steps", "draft_vocab", "epochs", "batch_tokens", "log_every"):
@@ -84,6 +91,15 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if not (self.grad_clip > 0.0):
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1 or \
+                (self.method == "eagle3" and self.num_layers != 1):
+            raise ValueError("num_layers must be an integer >= 1 (1 for eagle3), got "
+                             f"{self.num_layers!r}")
+        if not (0.0 < self.cod_ratio <= 1.0 and 0.0 <= self.cod_ratio_min <= 1.0):
+            raise ValueError("cod_ratio must be in (0, 1] and cod_ratio_min in [0, 1], got "
+                             f"{self.cod_ratio!r}, {self.cod_ratio_min!r}")
         if self.fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
         if not isinstance(self.save_every, int) or self.save_every < 0:
@@ -178,7 +194,10 @@ class Trainer:
                                                tcfg.vocab_size) if cfg.eval_data else []
         draft_ids, d2t, t2d = draft_vocab_maps(count_tokens(self.samples, tcfg.vocab_size),
                                                min(cfg.draft_vocab, tcfg.vocab_size))
-        self.head = build_head(target, self.capture, draft_ids, d2t, t2d).to(device)
+        parallel = cfg.ttt_steps if cfg.method == "peagle" else None
+        self.head = build_head(target, self.capture, draft_ids, d2t, t2d, cfg.num_layers,
+                               parallel).to(device)
+        self.generator = torch.Generator().manual_seed(cfg.seed)      # COD sampling
         target.setup_rotary(max_len, device)
         self.head.setup_rotary(max_len + cfg.ttt_steps, device)
         self.draft_ids = None if draft_ids is None else draft_ids.to(device)
@@ -208,7 +227,12 @@ class Trainer:
         """Target features (no grad) + TTT forward for one batch of samples."""
         ids, mask = collate(samples, self.device)
         tb = target_batch(self.target, ids, self.capture, self.draft_ids)
+        cfg = self.cfg
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+            if cfg.method == "peagle":
+                return peagle_forward(self.head, self.head.embed_tokens, self.head.rotary,
+                                      ids, mask, tb, cfg.ttt_steps, cfg.cod_ratio,
+                                      cfg.cod_ratio_min, self.generator)
             return ttt_forward(self.head, self.target.model.embed_tokens, self.head.rotary, ids,
                                mask, tb, self.cfg.ttt_steps)
 
@@ -261,7 +285,7 @@ class Trainer:
         log_path = cfg.log or os.path.join(cfg.out, "train_log.jsonl")
         self.log_file = open(log_path, "a" if pos.step else "w")
         meter, tick = StatsMeter(cfg.ttt_steps), time.perf_counter()
-        bar = tqdm(total=self.total, initial=pos.step, desc="train eagle3",
+        bar = tqdm(total=self.total, initial=pos.step, desc=f"train {cfg.method}",
                    disable=None if cfg.progress else True)      # None: off a terminal, none
         self.head.train()
         while pos.step < self.total and pos.epoch < cfg.epochs and self.time_progress() < 1:

@@ -86,7 +86,7 @@ def load_target(path: str, device, dtype, dummy: bool = False,
     cls = target_class(raw)
     qc = raw.get("quantization_config")
     mxfp4 = isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"   # decoded at load
-    declared = None if mxfp4 else fp8.checkpoint_scheme(raw, path)
+    declared = fp8.checkpoint_scheme(raw, path)
     scheme = None if dummy else declared
     cfg = cls.config_class.from_hf(raw)
     if parallel is not None and not getattr(cls, "supports_tensor_parallel", True):

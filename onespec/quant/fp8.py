@@ -276,8 +276,8 @@ def _int_pair(v) -> bool:
 
 def checkpoint_scheme(cfg: dict, path: str | None = None) -> FP8Scheme | None:
     """The FP8 scheme a checkpoint declares (config.json's quantization_config, or
-    ModelOpt's hf_quant_config.json beside it), None for an unquantized one; any other
-    scheme is a ValueError naming it and the supported ones."""
+    ModelOpt's hf_quant_config.json beside it), None for an unquantized or an MXFP4 one;
+    any other scheme is a ValueError naming it and the supported ones."""
     source = f"{getattr(cfg, 'source', 'config.json')}: quantization_config"
     qc = cfg.get("quantization_config", cfg.get("compression_config"))
     if qc is None and path is not None:
@@ -296,6 +296,8 @@ def checkpoint_scheme(cfg: dict, path: str | None = None) -> FP8Scheme | None:
     method = qc.get("quant_method")
     if method is None and "quant_algo" in qc:
         method = "modelopt"
+    if method == "mxfp4":          # not FP8: quant/mxfp4.py decodes it at load
+        return None
     if method == "fp8":
         return _fp8_method(qc, source)
     if method == "compressed-tensors":

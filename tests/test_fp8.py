@@ -495,3 +495,26 @@ def test_fp8_on_triton_in_cuda_graphs_matches_the_portable_path(llama_src, deeps
             runs[backend, drafting is not None] = [o.outputs[0].token_ids for o in outs]
             llm.close()
     assert len({str(v) for v in runs.values()}) == 1, runs
+
+
+@pytest.mark.parametrize("block,gated", [(None, True), ((128, 128), False)])
+@torch.inference_mode()
+def test_fp8_gemv_in_bfloat16(block, gated):
+    """bf16 rows (the GPU's tensor-core dots over e4m3 tiles widened to bf16) within bf16
+    tolerance of F.linear with the dequantized weight, 16- and 32-row tiles."""
+    pytest.importorskip("triton")
+    from onespec.kernels.fp8_gemv import fp8_gemv
+    from onespec.quant.fp8 import dequantize, quantize
+    torch.manual_seed(0)
+    n, k = 96, 256
+    q, scale = quantize(torch.randn(2 * n if gated else n, k, device=DEV) * k ** -0.5, block)
+    dense = dequantize(q, scale, block, torch.bfloat16)
+    for rows in (2, 24):
+        x = torch.randn(rows, k, device=DEV).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), dense.float())
+        if gated:
+            gate, up = ref.chunk(2, -1)
+            ref = torch.nn.functional.silu(gate) * up
+        got = fp8_gemv(x, q, scale, block, gated=gated)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

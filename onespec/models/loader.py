@@ -245,9 +245,9 @@ def _check_dtype(name: str, tensor: torch.Tensor, dest: torch.Tensor, what: str)
     stored = str(tensor.dtype).removeprefix("torch.")
     if dest.dtype == FP8:
         if tensor.dtype != FP8:
-            raise ValueError(f"{what}: weight {name!r} is stored as {stored}, but the "
-                             "checkpoint's other shards of its layer are float8_e4m3fn with "
-                             "scales; a quantized layer needs every shard in FP8")
+            raise ValueError(f"{what}: weight {name!r} is stored as {stored}, but its layer "
+                             "is FP8 in this checkpoint (it has weight scales): every weight "
+                             "of the layer must be float8_e4m3fn")
     elif dest.is_floating_point() and tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{what}: weight {name!r} is stored as {stored}, which onespec does "
                          "not load here: weights must be float32, bfloat16, float16 or "

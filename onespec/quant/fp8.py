@@ -186,11 +186,6 @@ def linear_dtype(layer: nn.Module) -> torch.dtype:
     return layer.compute_dtype if isinstance(layer, FP8Linear) else layer.weight.dtype
 
 
-def dense_weight(layer: nn.Module) -> torch.Tensor:
-    """A linear's weight in its compute dtype (dequantized if FP8)."""
-    return layer.dequantized() if isinstance(layer, FP8Linear) else layer.weight
-
-
 def quantize_experts(experts: nn.Module, block: tuple[int, int] | None = None,
                      empty: bool = False):
     """Stacked experts' gate_up_proj / down_proj as e4m3 with `*_scale` parameters:
@@ -213,18 +208,18 @@ def quantize_experts(experts: nn.Module, block: tuple[int, int] | None = None,
 
 def quantize_model(model: nn.Module, skip: tuple[str, ...] = ("lm_head",),
                    block: tuple[int, int] | None = None) -> nn.Module:
-    """Every nn.Linear of a loaded model (but those named in `skip`, and shared modules
-    such as a tied embedding) and every stack of experts quantized to e4m3, per output
+    """Every nn.Linear of a loaded model (but those named in `skip` or DEQUANTIZED_AT_LOAD,
+    and one tied to an embedding) and every stack of experts quantized to e4m3, per output
     channel (or per block): `quantization="fp8"`, `draft_dtype="fp8"`, benchmarks."""
     from onespec.models.moe import Experts
-    for name, module in list(model.named_modules()):
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in skip:
                 continue
-            if type(child) is nn.Linear and child.weight.dim() == 2:
-                keep_dense = child_name in DEQUANTIZED_AT_LOAD
-                if not keep_dense:
-                    setattr(module, child_name, FP8Linear.quantized(child, block))
+            if type(child) is nn.Linear and child_name not in DEQUANTIZED_AT_LOAD and \
+                    id(child.weight) not in tied:
+                setattr(module, child_name, FP8Linear.quantized(child, block))
             elif isinstance(child, Experts) and child.gate_up_proj.dtype != FP8:
                 quantize_experts(child, block)
     return model

@@ -100,8 +100,9 @@ def test_prefill_logits_match_transformers_and_sinks_and_windows_matter(gpt_oss)
 
 @torch.no_grad()
 def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
-    """bf16 weights: onespec's logits are about as far from the float32 reference as
-    transformers' own bf16 run is (per row, the median of the largest error: a row whose
+    """A bf16 checkpoint: computed in float32, greedy output equals transformers' token for
+    token; computed in bf16, onespec's logits are about as far from the float32 reference
+    as transformers' own bf16 run is (per row, the median of the largest error: a row whose
     routing flips under bf16 rounding is far off in either). Its eager attention rounds to
     bf16 more often, so token-for-token equality with it is not expected."""
     import transformers
@@ -115,6 +116,11 @@ def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
     ours = _prefill_logits(LLM(str(tmp_path), dtype="bfloat16", device="cpu"), prompt)
     err = (ours - ref).abs().amax(-1)
     assert err.median() <= 1.5 * hf_err.median()
+    # the bf16 checkpoint computed in float32: token for token with transformers
+    hf32 = transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    refs = [hf_greedy(hf32, p, NEW_TOKENS) for p in PROMPTS]
+    outs = LLM(str(tmp_path), dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
 
 
 @torch.no_grad()

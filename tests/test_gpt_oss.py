@@ -205,6 +205,7 @@ def _config(path) -> dict:
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type"),
     (dict(num_local_experts=0), "num_local_experts"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(swiglu_limit="7"), "swiglu_limit"),
 ])
 def test_bad_config_names_field(gpt_oss, change, field):
     cfg = {**_config(gpt_oss[0]), **change}

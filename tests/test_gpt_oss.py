@@ -4,6 +4,7 @@ and the sliding layers' windows, the clamped SwiGLU; EAGLE-3 heads in the publis
 gpt-oss layout are lossless; config errors name their field."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -100,14 +101,14 @@ def test_prefill_logits_match_transformers_and_sinks_and_windows_matter(gpt_oss)
 
 @torch.no_grad()
 def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
-    """bf16 weights: onespec's logits are about as far from the float32 reference as
-    transformers' own bf16 run is (per row, the median of the largest error: a row whose
+    """A bf16 checkpoint: computed in float32, greedy output equals transformers' token for
+    token; computed in bf16, onespec's logits are about as far from the float32 reference
+    as transformers' own bf16 run is (per row, the median of the largest error: a row whose
     routing flips under bf16 rounding is far off in either). Its eager attention rounds to
     bf16 more often, so token-for-token equality with it is not expected."""
     import transformers
     _, hf, _ = gpt_oss
-    hf.to(torch.bfloat16).save_pretrained(tmp_path)
-    hf.float()
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(tmp_path)   # (hf stays float32)
     prompt = PROMPTS[-1]
     ref = hf(torch.tensor([prompt])).logits[0]
     hf_bf16 = transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
@@ -115,6 +116,11 @@ def test_bfloat16_logits_as_close_as_transformers_own(gpt_oss, tmp_path):
     ours = _prefill_logits(LLM(str(tmp_path), dtype="bfloat16", device="cpu"), prompt)
     err = (ours - ref).abs().amax(-1)
     assert err.median() <= 1.5 * hf_err.median()
+    # the bf16 checkpoint computed in float32: token for token with transformers
+    hf32 = transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    refs = [hf_greedy(hf32, p, NEW_TOKENS) for p in PROMPTS]
+    outs = LLM(str(tmp_path), dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
 
 
 @torch.no_grad()
@@ -199,6 +205,7 @@ def _config(path) -> dict:
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type"),
     (dict(num_local_experts=0), "num_local_experts"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(swiglu_limit="7"), "swiglu_limit"),
 ])
 def test_bad_config_names_field(gpt_oss, change, field):
     cfg = {**_config(gpt_oss[0]), **change}

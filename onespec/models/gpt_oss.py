@@ -15,8 +15,7 @@ Per layer, for query row at position p (docs/DECODING.md, "gpt-oss"):
 Rotary is YaRN (`rope_type` "yarn", neox halves, cos/sin scaled by the attention factor).
 Parameters keep the checkpoint's names (experts load as [E, H, 2I] and [E, I, H], then
 are re-laid out for the grouped kernels); q/k/v are packed into qkv_proj like the Llama
-family's. MXFP4 expert weights
-are dequantized at load (quant/mxfp4.py).
+family's. MXFP4 expert weights are dequantized at load (quant/mxfp4.py).
 
 The metadata the engine builds is full-causal (this config's `sliding_window` is None):
 each sliding layer narrows it to its own window (`layer_window`), and passes it with its
@@ -24,6 +23,7 @@ sinks to the backend (layers/attention.py windowed_attention, or the Triton kern
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,12 +104,18 @@ class GptOssConfig(DecoderConfig):
         if top_k > experts:
             raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds "
                              f"num_local_experts={experts}")
+        swiglu = {}
+        for name, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            v = cfg.get(name, default)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v > 0):
+                raise ValueError(f"{source}: field {name!r} must be a positive finite "
+                                 f"number, got {v!r}")
+            swiglu[name] = float(v)
         values = {f.name: getattr(base, f.name) for f in fields(DecoderConfig)}
         values.update(architecture="GptOssForCausalLM", rope_theta=theta, rope_scaling=scaling,
                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-5))
-        return cls(**values, num_local_experts=experts, num_experts_per_tok=top_k,
-                   swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                   swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        return cls(**values, num_local_experts=experts, num_experts_per_tok=top_k, **swiglu,
                    layer_window=window if "sliding_attention" in types else None,
                    layer_types=tuple(types))
 

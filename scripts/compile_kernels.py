@@ -148,7 +148,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", TREE_MASK="*i8", TREE_BASE="*i64",
-                ROW_PACKS="*i32", scale="fp32")
+                ROW_PACKS="*i32", SINKS="*fp32", scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4, "TREE": False}
     pre_n, pre_warps, pre_stages = ta.PREFILL_CONFIG
@@ -186,6 +186,11 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     yield ("attention bf16 tree verify (no split, ancestor masks)",
            ta._paged_attention_kernel, attn,
            {**base, "BLOCK_N": 256, "SPLITS": 1, "IEEE": False, "TREE": True}, (8, 3))
+    yield ("attention bf16 decode with sinks (gpt-oss, split keys, 1 row per request)",
+           ta._paged_attention_kernel, attn,
+           {**base, "GROUP": 8, "GROUP_PAD": 16, "HEAD_DIM": 64, "DIM_PAD": 64,
+            "BLOCK_N": rows_n, "SPLITS": capped(4), "RPR": 1, "IEEE": False,
+            "HAS_SINKS": True}, (rows_warps, rows_stages))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},
@@ -218,14 +223,17 @@ def moe_cases():
     bn, bk, warps, stages = moe.TILING
     tiles = {"BLOCK_M": moe.BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk, "IEEE": False,
              "SCALED": 0, "BO": 1, "BI": 1}
-    gate_up_types = {"X": "*bf16", "W": "*bf16", "PAIR_TOKEN": "*i32", "OFFSETS": "*i32",
-                     "H_OUT": "*bf16", "S": "*bf16"}
-    down_types = {"H": "*bf16", "W": "*bf16", "PAIR_SLOT": "*i32", "PAIR_WEIGHT": "*fp32",
-                  "OFFSETS": "*i32", "Y": "*fp32", "S": "*bf16"}
+    gate_up_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "PAIR_TOKEN": "*i32",
+                     "OFFSETS": "*i32", "H_OUT": "*bf16", "S": "*bf16", "alpha": "fp32",
+                     "limit": "fp32"}
+    down_types = {"H": "*bf16", "W": "*bf16", "B": "*bf16", "PAIR_SLOT": "*i32",
+                  "PAIR_WEIGHT": "*fp32", "OFFSETS": "*i32", "Y": "*fp32", "S": "*bf16"}
     yield ("moe gate_up + silu (grouped)", moe._gate_up_kernel, gate_up_types, tiles,
            (warps, stages))
     yield ("moe down, weighted (grouped)", moe._down_kernel, down_types, tiles,
            (warps, stages))
+    yield ("moe gate_up + clamped SwiGLU with biases (gpt-oss)", moe._gate_up_kernel,
+           gate_up_types, {**tiles, "HAS_BIAS": True, "CLAMPED": True}, (warps, stages))
     fp8 = {"W": "*fp8e4nv", "S": "*fp32"}
     blocked = {**tiles, "SCALED": 2, "BO": 128, "BI": 128}
     yield ("moe gate_up + silu, FP8 experts per 128 x 128 block", moe._gate_up_kernel,

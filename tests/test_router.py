@@ -230,6 +230,9 @@ def test_sglang_router_serves_both_replicas_and_survives_a_killed_one(replicas, 
         # loads come from the replicas' /get_load (-1: the router could not read one)
         loads = httpx.get(router.url + "/get_loads", timeout=5).json()["workers"]
         assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
+        # the health check that goes through a replica's engine loop
+        deep = httpx.get(replicas[0].url + "/health_generate", timeout=10)
+        assert deep.status_code == 200 and deep.json()["status"] == "ok"
         # /flush_cache reaches every replica: the shared prefix is computed again
         flushed = httpx.post(router.url + "/flush_cache", timeout=10).json()
         assert flushed["workers_flushed"] == 2, flushed

@@ -109,6 +109,17 @@ class Replica(Proc):
         return self.wait_until(
             lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, "healthy")
 
+    def wait_busy(self, timeout: float = 10.0) -> bool:
+        """Waits until a request is in this replica (admitted, queued or running)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = httpx.get(self.url + "/health", timeout=2).json()
+            if h["num_requests_admitting"] + h["num_requests_waiting"] + \
+                    h["num_requests_running"] > 0:
+                return True
+            time.sleep(0.02)
+        return False
+
     def num_served(self) -> float:
         """Generation requests this replica has finished (its /metrics counter)."""
         text = httpx.get(self.url + "/metrics", timeout=5).text
@@ -257,8 +268,8 @@ def test_sglang_router_serves_both_replicas_and_survives_a_killed_one(replicas, 
         start = time.monotonic()
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(routed, p) for p in prompts]
-            time.sleep(0.3)
-            replicas[1].kill()
+            assert replicas[1].wait_busy(), "the router sent the second replica nothing"
+            replicas[1].kill()          # with requests of its own in flight
             in_flight = [f.result(timeout=REQUEST_TIMEOUT_S + 5) for f in futures]
         assert time.monotonic() - start < REQUEST_TIMEOUT_S
         answered = [(got, want) for got, want in zip(in_flight, expected)

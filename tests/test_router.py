@@ -274,7 +274,7 @@ def test_sglang_router_serves_both_replicas_and_survives_a_killed_one(replicas, 
         assert time.monotonic() - start < REQUEST_TIMEOUT_S
         answered = [(got, want) for got, want in zip(in_flight, expected)
                     if isinstance(got, str)]
-        assert all(got == want for got, want in answered)
+        assert answered and all(got == want for got, want in answered), in_flight
 
         after = [complete(client, p).choices[0].text for p in prompts[:2]]
         assert after == expected[:2]

@@ -4,6 +4,7 @@ gloo; rank 0 serves, the other rank runs its steps. The openai client's greedy a
 equal one rank's, and stopping rank 0's node ends the job."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -107,3 +108,29 @@ def test_two_torchrun_nodes_serve_one_ranks_greedy_text(tmp_path):
         for proc, log in nodes:
             stop(proc)
             log.close()
+
+
+def test_launcher_environment_errors_name_what_is_wrong(monkeypatch, tmp_path):
+    from onespec.distributed.launch import launched_env
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert launched_env(2) is None                  # no launcher: rank 0 spawns the ranks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert launched_env(2) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but not RANK, LOCAL_RANK, "
+                                         "MASTER_ADDR, MASTER_PORT"):
+        launched_env(2)
+    env = {"RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert (launched_env(2).rank, launched_env(2).local_rank) == (1, 0)
+    # a job of 3 processes for a split over 2 is refused before any weight loads
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    (tmp_path / "config.json").write_text(json.dumps({      # no weights needed
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 144,
+        "num_hidden_layers": 2, "vocab_size": VOCAB_SIZE}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but the launcher started "
+                                         r"WORLD_SIZE=3 processes"):
+        LLM(str(tmp_path), device="cpu", tensor_parallel_size=2)

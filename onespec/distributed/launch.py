@@ -11,9 +11,11 @@ of ranks.py do for spawned ranks. Rank 0 runs the engine and serves; the constru
 every other rank builds its RankParts, runs rank 0's steps until rank 0 stops them, and
 then ends the process (SystemExit(0)): it never returns an engine.
 
-Failures: a rank that raises prints its traceback and exits; its peers' collectives fail
-as its connections close, and torchrun stops the job's other processes. A rank whose
-rank 0 is gone exits the same way."""
+Failures: a rank that raises prints its traceback and exits 1; its peers' collectives
+fail as its connections close, and torchrun stops the job's other processes. A rank whose
+rank 0 ends between steps without telling it (a script that never closed its LLM, or a
+rank 0 that died: its own exit status says so) exits 0; one that loses rank 0 inside a
+step exits 1."""
 from __future__ import annotations
 
 import datetime
@@ -176,13 +178,17 @@ def follow(config, speculative_config, features: frozenset, env: LaunchEnv,
         parts = RankParts.build(config, speculative_config, group, features)
         control.barrier()
         while True:
-            kind, header = control.receive()
-            if kind == "stop":
+            try:
+                kind, header = control.receive()
+            except RuntimeError:   # rank 0's process ended between steps without a word
+                kind = "gone"      # (a script that never closed its LLM): nothing is lost
+            if kind != "step":
                 break
             parts.worker.step(broadcast.receive(group, header))
     except BaseException:      # noqa: BLE001 - said on this rank's output, then exit
         traceback.print_exc()
         print(f"onespec: tensor-parallel rank {env.rank} failed", file=sys.stderr)
         raise SystemExit(1) from None
-    logger.info("tensor-parallel rank %d: rank 0 stopped, exiting", env.rank)
+    logger.info("tensor-parallel rank %d: rank 0 %s, exiting", env.rank,
+                "stopped" if kind == "stop" else "is gone")
     raise SystemExit(0)

@@ -137,13 +137,14 @@ def main(argv=None) -> int:
         print(f"onespec serve: error: {e}", file=sys.stderr)
         return 2
     import uvicorn  # noqa: F401    # a missing server module: one line from onespec.cli
-    from onespec.distributed.launch import launched_env
-    try:
-        launched = launched_env(args.tensor_parallel_size) \
-            if args.tensor_parallel_size > 1 else None
-    except ValueError as e:
-        print(f"onespec serve: error: {e}", file=sys.stderr)
-        return 2
+    launched = None
+    if args.tensor_parallel_size > 1:          # (torch is imported only then, before binding)
+        from onespec.distributed.launch import launched_env
+        try:
+            launched = launched_env(args.tensor_parallel_size)
+        except ValueError as e:
+            print(f"onespec serve: error: {e}", file=sys.stderr)
+            return 2
     if launched is not None and launched.rank != 0:
         return _follow_rank(args)       # torchrun's other ranks: rank 0 alone listens
     try:

@@ -9,9 +9,9 @@ sglang-router (sgl-model-gateway) or vllm-router as those projects' own workers 
   rank, with `num_tokens`); /flush_cache is fanned out to every worker; /health_generate
   is a health check that goes through the engine.
 - vllm-router lists a worker's /v1/models, tokenizes through /tokenize (app.py) for its
-  cache-aware tree, and reads the load gauges of /metrics under vLLM's names
-  (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
-  metrics.py).
+  cache-aware tree, and its load-aware policies look for vLLM's gauges in /metrics
+  (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`: metrics.py exports the load
+  gauges under those names too).
 /health (app.py) is what both poll for liveness. None of these routes needs an API key,
 like /health and /metrics: routers probe workers without the clients' keys, and nothing
 here says what any request contained."""

@@ -480,3 +480,15 @@ def test_parallel_drafting_on_cuda(pair, graphs, overlap):
         assert llm.engine.runner.graphs.num_replays > 0
         assert (llm.engine.runner.graphs.num_chained > 0) == overlap
     assert_pool_full(llm)
+
+
+def test_bench_runs_parallel_drafting(capsys):
+    """`onespec bench --parallel-drafting LAYERS`: a random P-EAGLE head's rows, marked."""
+    from onespec.bench.decode import main
+    code = main(["decode", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                 "--batch-sizes", "1", "--ks", "3", "--acceptance", "2.0", "--gen-len", "6",
+                 "--trials", "1", "--warmup-steps", "1", "--no-hf", "--parallel-drafting", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert code == 0 and [r["k"] for r in rows] == [0, 3]
+    assert all("error" not in r and r["parallel_drafting_layers"] == 2 for r in rows)
+    assert rows[1]["acceptance_length"] > 1.5

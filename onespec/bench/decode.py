@@ -90,6 +90,9 @@ def parse_args(argv):
     p.add_argument("--sa-enhancer", type=int, default=None, metavar="N",
                    help="speculative engines with the suffix-automaton enhancer (min match N): "
                         "its host cost, and graph steps no longer chained")
+    p.add_argument("--parallel-drafting", type=int, default=None, metavar="LAYERS",
+                   help="speculative engines draft with a random P-EAGLE head of LAYERS layers "
+                        "(one head forward a step, trained depth = the largest K)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
@@ -120,6 +123,8 @@ def parse_args(argv):
                               or not all(0.0 <= a <= 1.0 for a in rates)):
         p.error(f"--acceptance-rates needs one rate in [0, 1] per draft position up to "
                 f"K = {auto_max_draft_len(args.ks)}, got {args.acceptance_rates}")
+    if args.parallel_drafting is not None and args.parallel_drafting < 1:
+        p.error(f"--parallel-drafting (head layers) must be >= 1, got {args.parallel_drafting}")
     bad = [c for c, _ in args.hf_runs if c not in ("static", "dynamic")]
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
@@ -205,7 +210,9 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     elif k_max:
         trees = dict(use_dynamic_tree=True, dynamic_tree_max_topK=tree[1],
                      max_total_draft_tokens=tree[2]) if tree else {}
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees)
+        parallel = dict(parallel_drafting=True) if getattr(args, "parallel_drafting", None) \
+            else {}
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees, **parallel)
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * shape.verify_rows(k_max)),
@@ -329,6 +336,8 @@ def _significant(x, digits: int = 5):
 def make_emitter(args, model_label: str, device_name: str, rows: list | None = None):
     """emit(row): one JSON line to stdout (and --out); `rows` collects what was emitted."""
     head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype}
+    if getattr(args, "parallel_drafting", None):
+        head["parallel_drafting_layers"] = args.parallel_drafting
 
     def emit(row: dict):
         row = {k: _significant(v) for k, v in {**head, **row, "device": device_name}.items()}
@@ -377,7 +386,8 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
     plain: dict[int, dict] = {}
     fixed, auto = draft_configs(args)
     with tempfile.TemporaryDirectory(prefix="onespec-bench-") as root:
-        target_dir, head_dir = write_model_dirs(args.shape, root)
+        target_dir, head_dir = write_model_dirs(args.shape, root, args.parallel_drafting,
+                                                auto_max_draft_len(args.ks))
         def per_batch(drafts):
             return [(b, d) for b in args.batch_sizes for d in drafts]
         phases = [(0, False, per_batch([Draft(0, 1.0)]), None)]

@@ -143,10 +143,13 @@ def test_schedule_cycling_k(pair):
 
 @pytest.mark.parametrize("spec", [dict(use_relaxed_acceptance_for_thinking=True,
                                        begin_thinking_phase_token=7),
-                                  dict(use_sa_enhancer=True)], ids=["relaxed", "sa-enhancer"])
+                                  dict(use_sa_enhancer=True),
+                                  dict(draft_len_schedule="auto")],
+                         ids=["relaxed", "sa-enhancer", "auto-draft-len"])
 def test_other_acceptors_lossless(pair, spec):
-    """Relaxed acceptance with its defaults (delta 0: the strict rule) and the suffix
-    automaton over parallel drafts keep greedy output."""
+    """Relaxed acceptance with its defaults (delta 0: the strict rule), the suffix
+    automaton over parallel drafts and the auto draft length (its start-up timing runs
+    parallel steps) keep greedy output."""
     target, _, head, plain = pair
     llm = parallel_llm(target, head, 3, spec=spec)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain

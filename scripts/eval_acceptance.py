@@ -8,7 +8,9 @@ prompts. Prints one JSON line per setting.
 
 --sa-min-match 4 adds EAGLE-3 with the suffix-automaton enhancer (that minimum match
 length; a comma-separated list runs each) for every K; --ngram 5 adds onespec's n-gram
-drafter with K = 5 (a list runs each K); --no-hf leaves out transformers' prompt lookup.
+drafter with K = 5 (a list runs each K); --parallel-head DIR adds a P-EAGLE head's parallel
+drafting for every K, beside the chain head's line of the same K (prompts_lower_higher
+against it); --no-hf leaves out transformers' prompt lookup.
 """
 from __future__ import annotations
 
@@ -121,6 +123,8 @@ def main():
                     help="also run the n-gram drafter with these draft lengths")
     ap.add_argument("--trees", default="",
                     help="dynamic trees as DEPTHxTOPKxNODES, comma-separated (e.g. 6x4x32)")
+    ap.add_argument("--parallel-head", default=None, metavar="DIR",
+                    help="also run this P-EAGLE head with parallel_drafting at every K")
     ap.add_argument("--no-hf", "--no-prompt-lookup", dest="no_hf", action="store_true",
                     help="skip transformers' prompt lookup")
     args = ap.parse_args()
@@ -135,6 +139,9 @@ def main():
     for k in int_list(args.ks):
         base = run_onespec("onespec-eagle3", Eagle3Config(HEAD_DIR, max_draft_len=k), prompts,
                            sp, ref, args.device, k=k)
+        if args.parallel_head:
+            spec = Eagle3Config(args.parallel_head, max_draft_len=k, parallel_drafting=True)
+            run_onespec("onespec-peagle", spec, prompts, sp, ref, args.device, base, k=k)
         for m in args.sa_min_match:
             spec = Eagle3Config(HEAD_DIR, max_draft_len=k, use_sa_enhancer=True,
                                 sa_min_match_len=m)

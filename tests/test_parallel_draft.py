@@ -143,10 +143,13 @@ def test_schedule_cycling_k(pair):
 
 @pytest.mark.parametrize("spec", [dict(use_relaxed_acceptance_for_thinking=True,
                                        begin_thinking_phase_token=7),
-                                  dict(use_sa_enhancer=True)], ids=["relaxed", "sa-enhancer"])
+                                  dict(use_sa_enhancer=True),
+                                  dict(draft_len_schedule="auto")],
+                         ids=["relaxed", "sa-enhancer", "auto-draft-len"])
 def test_other_acceptors_lossless(pair, spec):
-    """Relaxed acceptance with its defaults (delta 0: the strict rule) and the suffix
-    automaton over parallel drafts keep greedy output."""
+    """Relaxed acceptance with its defaults (delta 0: the strict rule), the suffix
+    automaton over parallel drafts and the auto draft length (its start-up timing runs
+    parallel steps) keep greedy output."""
     target, _, head, plain = pair
     llm = parallel_llm(target, head, 3, spec=spec)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
@@ -480,3 +483,15 @@ def test_parallel_drafting_on_cuda(pair, graphs, overlap):
         assert llm.engine.runner.graphs.num_replays > 0
         assert (llm.engine.runner.graphs.num_chained > 0) == overlap
     assert_pool_full(llm)
+
+
+def test_bench_runs_parallel_drafting(capsys):
+    """`onespec bench --parallel-drafting LAYERS`: a random P-EAGLE head's rows, marked."""
+    from onespec.bench.decode import main
+    code = main(["decode", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                 "--batch-sizes", "1", "--ks", "3", "--acceptance", "2.0", "--gen-len", "6",
+                 "--trials", "1", "--warmup-steps", "1", "--no-hf", "--parallel-drafting", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert code == 0 and [r["k"] for r in rows] == [0, 3]
+    assert all("error" not in r and r["parallel_drafting_layers"] == 2 for r in rows)
+    assert rows[1]["acceptance_length"] > 1.5

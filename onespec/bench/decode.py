@@ -113,6 +113,9 @@ def parse_args(argv):
     p.add_argument("--mtp-index-share", action=argparse.BooleanOptionalAction, default=True,
                    help="sparse-attention MTP shapes (deepseek-v3.2): draft steps after the "
                         "first reuse its indexer selection (off: each step selects anew)")
+    p.add_argument("--parallel-drafting", type=int, default=None, metavar="LAYERS",
+                   help="speculative engines draft with a random P-EAGLE head of LAYERS layers "
+                        "(one head forward a step, trained depth = the largest K)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     args = p.parse_args(argv)
@@ -143,6 +146,8 @@ def parse_args(argv):
                               or not all(0.0 <= a <= 1.0 for a in rates)):
         p.error(f"--acceptance-rates needs one rate in [0, 1] per draft position up to "
                 f"K = {auto_max_draft_len(args.ks)}, got {args.acceptance_rates}")
+    if args.parallel_drafting is not None and args.parallel_drafting < 1:
+        p.error(f"--parallel-drafting (head layers) must be >= 1, got {args.parallel_drafting}")
     bad = [c for c, _ in args.hf_runs if c not in ("static", "dynamic")]
     if bad:
         p.error(f"--hf-runs caches must be static or dynamic, got {bad}")
@@ -230,7 +235,10 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     elif k_max:
         trees = dict(use_dynamic_tree=True, dynamic_tree_max_topK=tree[1],
                      max_total_draft_tokens=tree[2]) if tree else {}
-        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees, **draft)
+        parallel = dict(parallel_drafting=True) if getattr(args, "parallel_drafting", None) \
+            else {}
+        spec = Eagle3Config(head_dir, max_draft_len=k_max, **forced, **sa, **trees, **draft,
+                            **parallel)
     quantization = "fp8" if getattr(args, "quantization", None) == "fp8" else None
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                quantization=quantization,
@@ -361,6 +369,8 @@ def make_emitter(args, model_label: str, device_name: str, rows: list | None = N
     shape = getattr(args, "shape", None)
     if shape is not None and "index_n_heads" in target_config(shape):   # the A/B's arm
         head["mtp_index_share"] = getattr(args, "mtp_index_share", True)
+    if getattr(args, "parallel_drafting", None):
+        head["parallel_drafting_layers"] = args.parallel_drafting
 
     def emit(row: dict):
         row = {k: _significant(v) for k, v in {**head, **row, "device": device_name}.items()}
@@ -409,7 +419,8 @@ def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):
     plain: dict[int, dict] = {}
     fixed, auto = draft_configs(args)
     with tempfile.TemporaryDirectory(prefix="onespec-bench-") as root:
-        target_dir, head_dir = write_model_dirs(args.shape, root)
+        target_dir, head_dir = write_model_dirs(args.shape, root, args.parallel_drafting,
+                                                auto_max_draft_len(args.ks))
         declare_quantization(target_dir, args.quantization)
 
         def per_batch(drafts):

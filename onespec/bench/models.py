@@ -105,9 +105,11 @@ def target_config(shape: str) -> dict:
             "bos_token_id": 1, "eos_token_id": 2}
 
 
-def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
+def write_model_dirs(shape: str, root: str, parallel_layers: int | None = None,
+                     parallel_depth: int = 1) -> tuple[str, str]:
     """config.json files for load_format='dummy': the target and a SafeAILab-style head
-    (None for the MTP shapes: their drafter is the target's own MTP layer)."""
+    (None for the MTP shapes: their drafter is the target's own MTP layer); with
+    parallel_layers, a P-EAGLE head of that many layers, trained to parallel_depth."""
     if shape in MTP_SHAPES:
         path = os.path.join(root, "target")
         os.makedirs(path)
@@ -118,6 +120,9 @@ def write_model_dirs(shape: str, root: str) -> tuple[str, str]:
     head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **head,
                 "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
                 "target_hidden_size": target["hidden_size"], **COMMON}
+    if parallel_layers:
+        head_cfg |= {"num_hidden_layers": parallel_layers, "ptd_token_id": 0,
+                     "num_depths": parallel_depth}
     dirs = []
     for name, cfg in (("target", target_config(shape)), ("head", head_cfg)):
         path = os.path.join(root, name)

@@ -32,6 +32,7 @@ GRAMMAR = "structured_outputs"
 TP = "tensor_parallel_size > 1"
 SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
+HYBRID = "a hybrid target (recurrent layers)"
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,16 @@ REFUSED = (
     Refusal(AUTO, TP, "its start-up timing runs on one rank; give a {batch_size: K} dict or "
                       "None"),
     Refusal(GRAMMAR, TP, "grammar masks are applied on one rank"),
+    Refusal(TREE, HYBRID, "a tree verify would need a recurrent state per tree node; use "
+                          "chain drafting"),
+    Refusal(HYBRID, TP, "recurrent layers are not split over ranks yet"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
 RUNS_EAGERLY = {
     REJECTION: "q of every draft is sampled per request",
     TP: "a replay would have to be mirrored rank by rank",
+    HYBRID: "the recurrent layers' steps are not captured yet",
 }
 
 
@@ -95,9 +100,13 @@ def spec_features(sc) -> set[str]:
     return on
 
 
-def engine_features(engine_config, target_cls=None, sliding_window=None) -> set[str]:
-    """The features of the engine's options and of the target (its class and window)."""
+def engine_features(engine_config, target_cls=None, sliding_window=None,
+                    recurrent: bool = False) -> set[str]:
+    """The features of the engine's options and of the target (its class, window, and
+    whether it has recurrent layers)."""
     on = set()
+    if recurrent or getattr(target_cls, "recurrent", False):
+        on.add(HYBRID)
     if engine_config.tensor_parallel_size > 1:
         on.add(TP)
     if sliding_window is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, MTPConfig, NGramConfig
-from onespec.engine.kv_cache import kv_bytes_per_block
+from onespec.engine.kv_cache import kv_bytes_per_block, target_attention_layers
 
 
 def describe_drafter(sc, max_draft_len: int) -> str:
@@ -45,7 +45,7 @@ def summary_lines(engine) -> list[str]:
     cfg, mcfg = engine.config, engine.model.config
     arch = type(engine.model).__name__
     draft_layers = engine.drafter.attention_layers if engine.drafter else []
-    layers = [layer.self_attn for layer in engine.model.model.layers] + list(draft_layers)
+    layers = target_attention_layers(engine.model) + list(draft_layers)
     per_block = kv_bytes_per_block(layers, cfg.block_size)
     num_blocks = engine.pool.num_blocks
     graphs = engine.runner.graphs

@@ -18,10 +18,13 @@ from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, init_dummy_weights, iter_weights, load_weights,
                                    read_config)
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
+from onespec.models.qwen3_next import ARCHITECTURES as HYBRID_ARCHITECTURES
+from onespec.models.qwen3_next import Qwen3NextForCausalLM
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
 TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+TARGET_MODELS.update({arch: Qwen3NextForCausalLM for arch in HYBRID_ARCHITECTURES})
 
 
 def register_target(architecture: str, cls: type[nn.Module]):

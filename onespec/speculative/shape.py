@@ -40,6 +40,15 @@ class ChainShape:
         (a chain has no parents). Missing drafts are padding (PAD_DRAFT)."""
         return (req.draft_tokens[:k] + [PAD_DRAFT] * k)[:k], None
 
+    @staticmethod
+    def commit_states(states, rb, num_accepted: torch.Tensor):
+        """The one place per-position recurrent state is committed (hybrid targets,
+        engine/state_pool.py): a generation request's verify rows [t_last, d1..dK] left
+        the state after each row; with n tokens accepted the inputs t_last, d1..d(n-1)
+        are kept, so its slot takes the state after row n - 1, and the rejected drafts'
+        states are dropped. A prompt chunk keeps the state after its last row."""
+        states.commit(rb, num_accepted - 1)
+
 
 @dataclass(frozen=True)
 class TreeShape:

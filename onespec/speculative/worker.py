@@ -18,7 +18,7 @@ from onespec.layers.sampler import (DRAFT_DRAW, SamplingTensors, masked_logits,
                                     probs_from_logits, sample, sample_from_probs)
 from onespec.speculative.acceptors import StrictAcceptor
 from onespec.speculative.drafter import Drafter
-from onespec.speculative.shape import TreeShape
+from onespec.speculative.shape import ChainShape, TreeShape
 from onespec.speculative.tree import TreeInputs
 from onespec.speculative.tree_step import tree_step
 from onespec.structured.step import RowMask, StepGrammar
@@ -130,8 +130,9 @@ class SpecWorker:
 
     def __init__(self, target, drafter: Drafter | None = None,
                  acceptor: StrictAcceptor | None = None, generator=None,
-                 attn_backend: str = "torch", tree: TreeShape | None = None):
+                 attn_backend: str = "torch", tree: TreeShape | None = None, states=None):
         self.target, self.drafter = target, drafter
+        self.states = states                  # a hybrid target's StatePool (state_pool.py)
         self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
         self.acceptor = acceptor or StrictAcceptor()
         self.verifier = Verifier(target, generator)
@@ -164,6 +165,7 @@ class SpecWorker:
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
         rows = hidden[inp.logit_rows]
         acc = self.acceptor.accept(self.verifier, inp, rows)
+        self.commit_states(inp, acc.num_accepted)
         logprobs, prompt_logprobs = self.logprobs(inp, hidden, rows, acc)
         drafts, draft_probs = self._propose(inp, hidden, captured, acc.context_tokens,
                                             acc.accepted, acc.num_accepted)
@@ -186,6 +188,12 @@ class SpecWorker:
             prompt = token_logprobs(self.target.compute_logits(hidden[pr.index]), pr.tokens,
                                     pr.num_top)
         return out, prompt
+
+    def commit_states(self, inp: StepInputs, num_accepted):
+        """Hybrid targets: each request's recurrent state at its accepted length
+        (ChainShape.commit_states)."""
+        if self.states is not None and inp.meta.recurrent is not None:
+            ChainShape.commit_states(self.states, inp.meta.recurrent, num_accepted)
 
     def verify_rows(self, inp: StepInputs, positions, meta):
         """The target over the step's rows: hidden [T, H] and the drafter's captured layers."""
@@ -213,6 +221,7 @@ class SpecWorker:
         0's forward. Returns (context tokens, accepted, accepted counts, DraftLoop | None)."""
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
         acc = self.acceptor.accept(self.verifier, inp, hidden[inp.logit_rows])
+        self.commit_states(inp, acc.num_accepted)
         loop = self.draft_begin(inp, hidden, captured, acc.context_tokens, acc.accepted,
                                 acc.num_accepted)
         return acc.context_tokens, acc.accepted, acc.num_accepted, loop

@@ -5,7 +5,8 @@
 # its exit status and seconds); a step that fails or runs out of time does not stop the
 # ones after it. BASELINE_TREE: an older checkout of onespec (e.g. `git worktree add
 # ../baseline REV`) for the A/B rows, which run the same benchmark on both trees in one
-# session. Set STEP_TIMEOUT (seconds, default 600) to bound each step.
+# session. Set STEP_TIMEOUT (seconds, default 600) to bound each step, and STEPS (names,
+# space-separated) to run only those steps, e.g. STEPS="long_16k prefix_ttft".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${1:?usage: scripts/gpu_session.sh RESULTS_DIR [BASELINE_TREE]}
@@ -18,6 +19,7 @@ git rev-parse HEAD > "$results/commit.txt" 2>/dev/null || true
 step() {            # step NAME FILE COMMAND...: runs COMMAND, its stdout to FILE
     local name=$1 file=$2
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
     local start=$SECONDS
     timeout "$limit" "$@" > "$results/$file" 2> "$results/$name.err"
     echo "$name rc=$? seconds=$((SECONDS - start))" >> "$results/steps.txt"

@@ -20,9 +20,11 @@ HYBRID_ARCHS = {
 
 
 def make_hybrid_model(path, arch: str = "qwen3-next", num_layers: int = 4, seed: int = 0,
-                      mtp: bool = False, **overrides):
+                      mtp: bool = False, embed_scale: float = 1.0, **overrides):
     """A random hybrid model saved at path (layers 0-2 DeltaNet, 3 full attention);
-    returns the transformers model. mtp: adds one MTP layer's weights (mtp.*)."""
+    returns the transformers model. mtp: adds one MTP layer's weights (mtp.*);
+    embed_scale > 1: token embeddings dominate the residual stream, so greedy outputs
+    soon cycle (model-free drafts then get accepted)."""
     import transformers
     cfg_name, model_name, extra = HYBRID_ARCHS[arch]
     fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
@@ -39,6 +41,7 @@ def make_hybrid_model(path, arch: str = "qwen3-next", num_layers: int = 4, seed:
                 p.normal_(0, 0.08)
             elif name.endswith("norm.weight") and "linear_attn" not in name:
                 p.normal_(0.0, 0.1)              # zero-centred norms: 1 + w
+        model.model.embed_tokens.weight.mul_(embed_scale)
     model.save_pretrained(path)
     if mtp:
         add_mtp_weights(path, model, seed)

@@ -51,15 +51,18 @@ class RecurrentBatch:
         return len(self.q_lens) - self.num_ctx
 
     def segments(self):
-        """(rows, requests, snapshot rows, keep_all) per run of the recurrence: each prompt
-        chunk alone (one snapshot: its final state), then the generation requests
-        together (a snapshot after every row)."""
+        """(rows, requests, snapshot rows, keep_all) per run of the recurrence: prompt
+        chunks, consecutive ones of one length together (one snapshot each: its final
+        state), then the generation requests together (a snapshot after every row)."""
         dev = self.slots.device
-        start = 0
-        for i in range(self.num_ctx):
-            n = self.q_lens[i]
-            yield slice(start, start + n), [i], torch.tensor([i], device=dev), False
-            start += n
+        start, i = 0, 0
+        while i < self.num_ctx:
+            n, j = self.q_lens[i], i + 1
+            while j < self.num_ctx and self.q_lens[j] == n:
+                j += 1
+            yield slice(start, start + n * (j - i)), list(range(i, j)), \
+                torch.arange(i, j, device=dev), False
+            start, i = start + n * (j - i), j
         if self.num_gen:
             b, rows = self.num_gen, self.gen_rows
             snaps = torch.arange(self.num_ctx, self.num_ctx + b * rows, device=dev)

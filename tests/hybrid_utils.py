@@ -88,3 +88,36 @@ def add_mtp_weights(path, model, seed: int = 0):
     cfg["mtp_num_hidden_layers"] = 1
     json.dump(cfg, open(cfg_file, "w"))
     return extra
+
+
+NEMOTRON_BLOCKS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                   "mlp"]
+
+
+def make_nemotron_h_model(path, seed: int = 0, **overrides):
+    """A random NemotronHForCausalLM saved at path (Mamba2, MoE, attention, MLP blocks)."""
+    import transformers
+    fields = dict(vocab_size=128, hidden_size=64, layers_block_type=NEMOTRON_BLOCKS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16,
+                  n_groups=2, conv_kernel=4, n_routed_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                  topk_group=1, max_position_embeddings=256, chunk_size=4, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, time_step_limit=(0.0, 3.0))
+    cfg = transformers.NemotronHConfig(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.normal_(1.0, 0.1)
+            elif name.endswith(("dt_bias", "D")):
+                p.normal_(0.0, 0.5)
+        for layer in model.model.layers:
+            gate = getattr(layer.mixer, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return model

@@ -26,7 +26,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # per-expert checkpoint keys -> stacked expert parameters (models/moe.py Experts)
 EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|up_proj|down_proj)")
 
 
 class HFConfig(dict):
@@ -159,12 +159,13 @@ def _expert_target(params: dict, name: str):
     if m is None:
         return None
     prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    param_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    ungated = f"{prefix}.up_proj" in params      # experts without a gate (up, act, down)
+    param_name = f"{prefix}.{proj if proj == 'down_proj' or ungated else 'gate_up_proj'}"
     param = params.get(param_name)
     if param is None or e >= param.shape[0]:
         return param_name, None
     dest = param.data[e]
-    if proj != "down_proj":
+    if proj != "down_proj" and not ungated:
         half = dest.shape[0] // 2
         dest = dest.narrow(0, 0 if proj == "gate_proj" else half, half)
     return param_name, dest
@@ -174,7 +175,8 @@ def _checkpoint_names(param_name: str, param: torch.Tensor | None = None) -> lis
     """The checkpoint keys that feed a parameter: '...qkv_proj.weight' <- q/k/v_proj."""
     m = STACKED_EXPERTS.fullmatch(param_name)
     if m is not None and param is not None:
-        projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
+        projs = {"down_proj": ("down_proj",), "up_proj": ("up_proj",)}.get(
+            m.group(2), ("gate_proj", "up_proj"))
         return [f"{m.group(1)}.{e}.{p}.weight" for e in range(param.shape[0]) for p in projs]
     parts = param_name.split(".")
     shards = [s for s, (packed, _) in PACKED_MODULES.items()

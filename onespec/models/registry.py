@@ -17,6 +17,7 @@ from onespec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, init_dummy_weights, iter_weights, load_weights,
                                    read_config)
+from onespec.models.nemotron_h import NemotronHForCausalLM
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 from onespec.models.qwen3_next import ARCHITECTURES as HYBRID_ARCHITECTURES
 from onespec.models.qwen3_next import Qwen3NextForCausalLM
@@ -25,6 +26,7 @@ TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in 
 TARGET_MODELS["DeepseekV3ForCausalLM"] = DeepseekV3ForCausalLM
 TARGET_MODELS["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
 TARGET_MODELS.update({arch: Qwen3NextForCausalLM for arch in HYBRID_ARCHITECTURES})
+TARGET_MODELS["NemotronHForCausalLM"] = NemotronHForCausalLM
 
 
 def register_target(architecture: str, cls: type[nn.Module]):

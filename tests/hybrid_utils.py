@@ -94,8 +94,9 @@ NEMOTRON_BLOCKS = ["linear_attention", "moe", "full_attention", "mlp", "linear_a
                    "mlp"]
 
 
-def make_nemotron_h_model(path, seed: int = 0, **overrides):
-    """A random NemotronHForCausalLM saved at path (Mamba2, MoE, attention, MLP blocks)."""
+def make_nemotron_h_model(path, seed: int = 0, embed_scale: float = 1.0, **overrides):
+    """A random NemotronHForCausalLM saved at path (Mamba2, MoE, attention, MLP blocks);
+    embed_scale as make_hybrid_model's."""
     import transformers
     fields = dict(vocab_size=128, hidden_size=64, layers_block_type=NEMOTRON_BLOCKS,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -119,5 +120,6 @@ def make_nemotron_h_model(path, seed: int = 0, **overrides):
             gate = getattr(layer.mixer, "gate", None)
             if gate is not None:
                 gate.e_score_correction_bias.normal_(0, 0.3)
+        model.model.embeddings.weight.mul_(embed_scale)
     model.save_pretrained(path)
     return model

@@ -1,4 +1,4 @@
-"""Hybrid gated-DeltaNet targets (Qwen3-Next, Qwen3.5 dense and MoE): token for token equal
+"""Hybrid targets (gated DeltaNet: Qwen3-Next, Qwen3.5 dense and MoE; Mamba2: Nemotron-H): token for token equal
 to transformers (batched, chunked prefill, preemption); the recurrent-state pool full again
 after every exit path; speculation lossless (MTP, EAGLE-3, n-gram), with every committed
 state equal to the one plain decoding reaches at the same position; MTP drafts equal a
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_pool_full, hf_greedy, make_eagle3_head
-from hybrid_utils import HYBRID_ARCHS, make_hybrid_model, mtp_weights
+from hybrid_utils import HYBRID_ARCHS, make_hybrid_model, make_nemotron_h_model, mtp_weights
 from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.layers.recurrent import causal_conv, gated_delta_scan
@@ -27,6 +27,11 @@ ENGINE_MODES = {
 }
 
 
+ARCHS = list(HYBRID_ARCHS) + ["nemotron-h"]
+MLP_KINDS = {"qwen3-next": ["SharedExpertMoe", "MLP"] + ["SharedExpertMoe"] * 2,
+             "qwen3.5": ["MLP"] * 4, "qwen3.5-moe": ["SharedExpertMoe"] * 4}
+
+
 def assert_states_free(llm):
     """The KV pool and the recurrent-state pool are full again."""
     assert_pool_full(llm)
@@ -39,9 +44,10 @@ def assert_states_free(llm):
 def models(tmp_path_factory):
     """{arch: (path, hf model, greedy references)}; qwen3-next carries an MTP module."""
     out = {}
-    for arch in HYBRID_ARCHS:
+    for arch in ARCHS:
         path = tmp_path_factory.mktemp(arch)
-        hf = make_hybrid_model(path, arch, mtp=arch == "qwen3-next")
+        hf = make_nemotron_h_model(path) if arch == "nemotron-h" else \
+            make_hybrid_model(path, arch, mtp=arch == "qwen3-next")
         out[arch] = (str(path), hf, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS])
     return out
 
@@ -51,13 +57,15 @@ def llm_for(path, **kw):
 
 
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
-@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(models, arch, mode):
-    path, _, refs = models[arch]
+    path, hf, refs = models[arch]
     llm = llm_for(path, **ENGINE_MODES[mode])
-    kinds = [type(layer.mlp).__name__ for layer in llm.engine.model.model.layers]
-    assert kinds == {"qwen3-next": ["SharedExpertMoe", "MLP"] + ["SharedExpertMoe"] * 2,
-                     "qwen3.5": ["MLP"] * 4, "qwen3.5-moe": ["SharedExpertMoe"] * 4}[arch]
+    layers = llm.engine.model.model.layers
+    if arch == "nemotron-h":
+        assert [b.block_type for b in layers] == list(hf.config.layers_block_type)
+    else:
+        assert [type(layer.mlp).__name__ for layer in layers] == MLP_KINDS[arch]
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == refs
     if mode == "preemption":
@@ -111,16 +119,22 @@ SPEC_CONFIGS = {        # (model, config); the looping model's outputs soon cycl
     "mtp-k3": ("qwen3-next", lambda head: MTPConfig(num_nextn_predict_layers=3)),
     "eagle3-k3": ("qwen3-next", lambda head: Eagle3Config(head, max_draft_len=3)),
     "ngram-k3": ("looping", lambda head: NGramConfig(max_draft_len=3)),  # n-gram drafts hit
+    "nemotron-eagle3-k2": ("nemotron-h", lambda head: Eagle3Config(head, max_draft_len=2)),
+    "nemotron-ngram-k3": ("nemotron-looping", lambda head: NGramConfig(max_draft_len=3)),
 }
 LOOP_PROMPTS = [[5, 17, 3, 9, 6, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 2, 9, 9], [10, 3],
                 [1, 2, 3, 1, 2, 3, 1, 2]]
 
 
 @pytest.fixture(scope="module")
-def eagle_head(models, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hybrid-eagle3")
-    make_eagle3_head(path, models["qwen3-next"][1])
-    return str(path)
+def eagle_heads(models, tmp_path_factory):
+    """{model: an EAGLE-3 head for it}."""
+    out = {}
+    for arch in ("qwen3-next", "nemotron-h"):
+        path = tmp_path_factory.mktemp(f"{arch}-eagle3")
+        make_eagle3_head(path, models[arch][1])
+        out[arch] = str(path)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +143,15 @@ def plain_runs(models, tmp_path_factory):
     per (prompt, number of tokens with state))}, plain decoding run step by step."""
     loop = tmp_path_factory.mktemp("looping")
     make_hybrid_model(loop, "qwen3-next", vocab_size=24, embed_scale=10.0)
+    nloop = tmp_path_factory.mktemp("nemotron-looping")
+    make_nemotron_h_model(nloop, vocab_size=24, embed_scale=10.0)
     runs = {}
+    longer = SamplingParams(max_tokens=24, ignore_eos=True)
     for name, path, prompts, params in [
             ("qwen3-next", models["qwen3-next"][0], PROMPTS, GREEDY),
-            ("looping", str(loop), LOOP_PROMPTS, SamplingParams(max_tokens=24,
-                                                                ignore_eos=True))]:
+            ("nemotron-h", models["nemotron-h"][0], PROMPTS, GREEDY),
+            ("looping", str(loop), LOOP_PROMPTS, longer),
+            ("nemotron-looping", str(nloop), LOOP_PROMPTS, longer)]:
         eng = llm_for(path).engine
         reqs = [eng.add_request(p, params) for p in prompts]
         seen = {}
@@ -152,13 +170,14 @@ def layer_states(eng, slot: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("spec", list(SPEC_CONFIGS))
-def test_speculation_lossless_and_states_equal_plain(plain_runs, eagle_head, spec):
+def test_speculation_lossless_and_states_equal_plain(plain_runs, eagle_heads, spec):
     """Greedy speculation emits plain decoding's tokens, and after every step (drafts
     rejected or not) each request's committed recurrent state equals the state plain
     decoding had with as many tokens computed."""
     model, make_config = SPEC_CONFIGS[spec]
     path, prompts, params, plain, seen = plain_runs[model]
-    llm = llm_for(path, max_num_tokens=9, speculative_config=make_config(eagle_head))
+    head = eagle_heads["nemotron-h" if model.startswith("nemotron") else "qwen3-next"]
+    llm = llm_for(path, max_num_tokens=9, speculative_config=make_config(head))
     eng = llm.engine
     reqs = [eng.add_request(p, params) for p in prompts]
     compared = 0
@@ -175,7 +194,7 @@ def test_speculation_lossless_and_states_equal_plain(plain_runs, eagle_head, spe
     assert [r.output_token_ids for r in reqs] == plain
     stats = llm.stats()
     assert compared > 10 and stats["num_draft_tokens"] > stats["num_accepted_draft_tokens"]
-    if spec == "ngram-k3":      # steps committing at row 1 .. K, not only row 0
+    if "ngram" in spec:         # steps committing at row 1 .. K, not only row 0
         counts = stats["accepted_path_length_counts"]
         assert counts[1] > 0 and counts[-1] > 0, counts
     assert_states_free(llm)
@@ -293,10 +312,10 @@ def test_rejection_sampling_keeps_distribution(tmp_path):
         tss.VOCAB = old
 
 
-def test_refused_combinations_and_config(models, eagle_head, tmp_path):
+def test_refused_combinations_and_config(models, eagle_heads, tmp_path):
     path, _, _ = models["qwen3-next"]
     with pytest.raises(UnsupportedCombination, match="a hybrid target"):
-        llm_for(path, speculative_config=Eagle3Config(eagle_head, max_draft_len=2,
+        llm_for(path, speculative_config=Eagle3Config(eagle_heads["qwen3-next"], max_draft_len=2,
                                                       use_dynamic_tree=True))
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         llm_for(path, speculative_config=MTPConfig(num_nextn_predict_layers=2,

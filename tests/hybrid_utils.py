@@ -123,3 +123,49 @@ def make_nemotron_h_model(path, seed: int = 0, embed_scale: float = 1.0, **overr
         model.model.embeddings.weight.mul_(embed_scale)
     model.save_pretrained(path)
     return model
+
+
+def nemotron_mtp_weights(model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a Nemotron-H MTP step (attention block, MoE block) in the
+    stacked form transformers' blocks take: {block index: state dict}, plus 'own':
+    enorm, hnorm, eh_proj, final_layernorm."""
+    gen = torch.Generator().manual_seed(seed + 200)
+    types = list(model.config.layers_block_type)
+    h = model.config.hidden_size
+    blocks = {}
+    for i, kind in enumerate(("full_attention", "moe")):
+        src = model.model.layers[types.index(kind)].state_dict()
+        blocks[i] = {n: (torch.randn(p.shape, generator=gen) * 0.08 if p.dim() >= 2 else
+                         1.0 + torch.randn(p.shape, generator=gen) * 0.1
+                         if n.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.3)
+                     for n, p in src.items()}
+    own = {"enorm.weight": 1.0 + torch.randn(h, generator=gen) * 0.1,
+           "hnorm.weight": 1.0 + torch.randn(h, generator=gen) * 0.1,
+           "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * 0.08,
+           "final_layernorm.weight": 1.0 + torch.randn(h, generator=gen) * 0.1}
+    return {"blocks": blocks, "own": own}
+
+
+def add_nemotron_mtp_weights(path, model, seed: int = 0):
+    """Writes mtp.layers.{0,1}.* (per-expert keys) and num_nextn_predict_layers=1."""
+    from safetensors.torch import load_file, save_file
+    w = nemotron_mtp_weights(model, seed)
+    extra = {}
+    for i, sd in w["blocks"].items():
+        for n, t in sd.items():
+            if n.endswith(("experts.up_proj", "experts.down_proj")):
+                base, proj = n.rsplit(".", 1)
+                for e in range(t.shape[0]):
+                    extra[f"mtp.layers.{i}.{base}.{e}.{proj}.weight"] = t[e].contiguous()
+            else:
+                extra[f"mtp.layers.{i}.{n}"] = t
+    for n, t in w["own"].items():
+        i = 1 if n.startswith("final_layernorm") else 0
+        extra[f"mtp.layers.{i}.{n}"] = t
+    file = os.path.join(path, "model.safetensors")
+    save_file({**load_file(file), **extra}, file, metadata={"format": "pt"})
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    cfg.update(num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"])
+    json.dump(cfg, open(cfg_file, "w"))
+    return w

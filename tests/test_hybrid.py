@@ -363,3 +363,73 @@ def test_per_row_states_equal_prefix_runs():
     torch.testing.assert_close(torch.cat([o1, o2], 1), o)
     torch.testing.assert_close(states[:, 1], s1)
     torch.testing.assert_close(states[:, -1], s2)
+
+
+class NemotronMTPReference:
+    """A Nemotron-H MTP step from transformers blocks (cache-free): eh_proj of the
+    normed embedding and hidden state, an attention block, an MoE block,
+    final_layernorm, the target's lm_head."""
+
+    def __init__(self, hf, weights):
+        import copy
+
+        import transformers.models.nemotron_h.modeling_nemotron_h as m
+        cfg = copy.deepcopy(hf.config)
+        cfg.layers_block_type = ["full_attention", "moe"]
+        self.hf = hf
+        self.blocks = []
+        for i in range(2):
+            block = m.NemotronHBlock(cfg, i).float().eval()
+            block.load_state_dict(weights["blocks"][i])
+            self.blocks.append(block)
+        own = weights["own"]
+        h = cfg.hidden_size
+        self.norms = {}
+        for name in ("enorm", "hnorm", "final_layernorm"):
+            self.norms[name] = m.NemotronHRMSNorm(h, cfg.layer_norm_epsilon)
+            self.norms[name].weight.data = own[f"{name}.weight"]
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.eh_proj.weight.data = own["eh_proj.weight"]
+
+    def layer_input(self, ids, hidden):
+        e = self.norms["enorm"](self.hf.model.embeddings(ids))
+        return self.eh_proj(torch.cat([e, self.norms["hnorm"](hidden)], -1))
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int):
+        final = self.hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        xs = self.layer_input(torch.tensor(tokens[1:]), final)
+        drafts, margins = [], []
+        for _ in range(k):
+            n = xs.shape[0]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = xs[None]
+            for block in self.blocks:
+                out = block(out, attention_mask=mask)
+            last = self.norms["final_layernorm"](out[0, -1:])
+            top2 = self.hf.lm_head(last)[0].topk(2)
+            drafts.append(int(top2.indices[0]))
+            margins.append(float(top2.values[0] - top2.values[1]))
+            xs = torch.cat([xs, self.layer_input(torch.tensor(drafts[-1:]), last)])
+        return drafts, margins
+
+
+def test_nemotron_h_mtp(models, tmp_path):
+    """Nemotron-H's MTP step (attention + MoE blocks): drafts equal the cache-free
+    reference, and greedy MTP output equals plain output."""
+    import shutil
+
+    from conftest import assert_drafts_match_reference
+    from hybrid_utils import add_nemotron_mtp_weights
+    src, hf, refs = models["nemotron-h"]
+    path = str(tmp_path / "with-mtp")
+    shutil.copytree(src, path)
+    ref = NemotronMTPReference(hf, add_nemotron_mtp_weights(path, hf))
+    k = 3
+    llm = llm_for(path, max_num_tokens=9,
+                  speculative_config=MTPConfig(num_nextn_predict_layers=k))
+    assert_drafts_match_reference(llm, PROMPTS[:3], GREEDY, lambda ids: ref.drafts(ids, k), k)
+    assert_states_free(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert_states_free(llm)

@@ -13,6 +13,12 @@
   experts (up, relu^2, down), optionally through a latent projection, plus a shared
   expert.
 
+MTP (`num_nextn_predict_layers` = 1, `mtp_layers_block_type` or `mtp_hybrid_override_pattern`,
+e.g. attention then MoE): one draft step runs those blocks in turn, `mtp.layers.{i}.*` in
+the checkpoint; block 0 also holds `enorm`, `hnorm` and `eh_proj` (the input
+eh_proj(concat(enorm(embed), hnorm(h)))), the last `final_layernorm` (the output norm):
+models/mtp.py's MTPLayer with the blocks as its block (NemotronMTPBlock).
+
 Checkpoints name the stack `backbone.` (`embeddings`, `layers.{i}.norm`, `layers.{i}.mixer`,
 `norm_f`); here it is `model.` with `embed_tokens` and `norm`, as the drafters expect. The
 recurrent state lives in the state pool as for models/qwen3_next.py (same RecurrentBatch
@@ -59,6 +65,7 @@ class NemotronHConfig(DecoderConfig):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0
+    mtp_layers_block_type: tuple[str, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "NemotronHConfig":
@@ -78,6 +85,14 @@ class NemotronHConfig(DecoderConfig):
         if not types or any(t not in BLOCK_TYPES for t in types):
             raise ValueError(f"{source}: field 'layers_block_type' must list block types from "
                              f"{BLOCK_TYPES}, got {types!r}")
+        mtp_types = cfg.get("mtp_layers_block_type")
+        if mtp_types is None and cfg.get("mtp_hybrid_override_pattern") is not None:
+            mtp_types = [PATTERN.get(c, c) for c in cfg["mtp_hybrid_override_pattern"]]
+        mtp_types = tuple(mtp_types or ("full_attention", "moe"))
+        if any(t not in ("full_attention", "moe", "mlp") for t in mtp_types):
+            raise ValueError(f"{source}: field 'mtp_layers_block_type' may hold only "
+                             f"'full_attention', 'moe' and 'mlp' blocks (an MTP step keeps no "
+                             f"recurrent state), got {list(mtp_types)!r}")
         limit = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, float("inf"))
         limit = tuple(float("inf") if isinstance(v, dict) else float(v) for v in limit)
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -112,7 +127,8 @@ class NemotronHConfig(DecoderConfig):
                 topk_group=cfg.get("topk_group", 1),
                 norm_topk_prob=cfg.get("norm_topk_prob", True),
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0)
+                num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
+                mtp_layers_block_type=mtp_types)
         except KeyError as e:
             raise ValueError(f"{source} lacks the required field {e.args[0]!r}") from None
         if cfg.get("mlp_hidden_act", "relu2") != "relu2":
@@ -290,6 +306,23 @@ class NemotronHBlock(nn.Module):
         return h + self.mixer(x)
 
 
+class NemotronMTPBlock(nn.Module):
+    """The blocks of one MTP step, called as a decoder layer (models/mtp.py MTPLayer)."""
+
+    def __init__(self, cfg: NemotronHConfig, ops: TorchOps):
+        super().__init__()
+        self.blocks = nn.ModuleList(NemotronHBlock(cfg, 0, ops, t)
+                                    for t in cfg.mtp_layers_block_type)
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [b.mixer for b in self.blocks if b.block_type == "full_attention"]
+
+    def forward(self, h, x, positions, rotary, meta, next_norm=None, last: bool = False):
+        for block in self.blocks:
+            h = block(h, meta)
+        return h, None
+
+
 class NemotronHStack(nn.Module):
     def __init__(self, cfg: NemotronHConfig, ops: TorchOps):
         super().__init__()
@@ -326,6 +359,33 @@ class NemotronHForCausalLM(nn.Module):
     def setup_rotary(self, max_positions: int, device):
         """No positional encoding (the attention layers are NoPE)."""
 
+    def make_rotary(self, max_positions: int, device):
+        return None
+
+    def make_decoder_layer(self, layer_idx: int) -> NemotronMTPBlock:
+        """The blocks of an MTP step (mtp_layers_block_type)."""
+        return NemotronMTPBlock(self.config, self.ops)
+
+    def mtp_rename(self, num_target_layers: int, num_layers: int):
+        """Checkpoint key of the MTP blocks -> MTPLayer parameter name (one step):
+        'mtp.layers.0.{enorm, hnorm, eh_proj}' -> 'layers.0.*', the last block's
+        final_layernorm -> 'layers.0.shared_head.norm', 'mtp.layers.{i}.X' ->
+        'layers.0.block.blocks.{i}.X'."""
+        last = len(self.config.mtp_layers_block_type) - 1
+
+        def rename(name: str) -> list[str]:
+            name = name.removeprefix("language_model.")
+            parts = name.split(".", 3)
+            if len(parts) < 4 or parts[:2] != ["mtp", "layers"] or not parts[2].isdigit():
+                return []
+            i, rest = int(parts[2]), parts[3]
+            if i == 0 and rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+                return [f"layers.0.{rest}"]
+            if i == last and rest.startswith("final_layernorm."):
+                return ["layers.0.shared_head.norm." + rest.split(".", 1)[1]]
+            return [f"layers.0.block.blocks.{i}.{rest}"] if i <= last else []
+        return rename
+
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 capture: tuple[int, ...] = ()):
         h = self.model.embed_tokens(input_ids)
@@ -346,8 +406,9 @@ class NemotronHForCausalLM(nn.Module):
     def checkpoint_rename(self, name: str) -> str | None:
         """backbone.{embeddings, norm_f, layers} -> model.{embed_tokens, norm, layers};
         MTP layers (`mtp.*`) are not read."""
-        if name.startswith("mtp."):
+        if name.startswith(("mtp.", "language_model.mtp.")):
             return None
+        name = name.removeprefix("language_model.")
         for old, new in (("backbone.embeddings.", "model.embed_tokens."),
                          ("backbone.norm_f.", "model.norm."), ("backbone.", "model."),
                          ("model.embeddings.", "model.embed_tokens."),

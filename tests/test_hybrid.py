@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_pool_full, hf_greedy, make_eagle3_head
+from conftest import TEST_DEVICE, assert_pool_full, hf_greedy, make_eagle3_head
 from hybrid_utils import HYBRID_ARCHS, make_hybrid_model, make_nemotron_h_model, mtp_weights
 from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
@@ -17,7 +17,7 @@ from onespec.models.qwen3_next import HybridConfig
 from test_spec_sampling import chi_square_pvalue
 
 PROMPTS = [[5, 17, 33, 9, 60, 3, 44], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 90, 91],
-           [100, 3], [21, 22, 23, 21, 22, 23, 21, 22]]
+           [100, 3]]
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE_MODES = {
@@ -52,8 +52,9 @@ def models(tmp_path_factory):
     return out
 
 
-def llm_for(path, **kw):
-    return LLM(path, dtype="float32", device="cpu", **kw)
+def llm_for(path, device=TEST_DEVICE, **kw):
+    """On ONESPEC_TEST_DEVICE (a GPU runs the verify rows' Triton recurrences)."""
+    return LLM(path, dtype="float32", device=device, **kw)
 
 
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
@@ -98,7 +99,8 @@ def test_state_pool_full_after_every_exit(models):
     llm = llm_for(path, max_batch_size=2)
     eng = llm.engine
     assert eng.states.num_slots == 2
-    reqs = [eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+            for p in PROMPTS + [[21, 22, 23]]]
     eng.step()                    # two admitted (one slot each), two waiting
     assert eng.states.num_free == 0
     assert [r.state_slot is not None for r in reqs] == [True, True, False, False]
@@ -266,7 +268,7 @@ def test_mtp_drafts_match_cache_free_reference(models):
     path, hf, _ = models["qwen3-next"]
     ref = MTPReference(hf)
     k = 3
-    llm = llm_for(path, max_num_tokens=9,
+    llm = llm_for(path, max_num_tokens=9, device="cpu",      # compared on the CPU
                   speculative_config=MTPConfig(num_nextn_predict_layers=k))
     assert_drafts_match_reference(llm, PROMPTS[:3], GREEDY, lambda ids: ref.drafts(ids, k), k)
     assert_states_free(llm)
@@ -426,7 +428,7 @@ def test_nemotron_h_mtp(models, tmp_path):
     shutil.copytree(src, path)
     ref = NemotronMTPReference(hf, add_nemotron_mtp_weights(path, hf))
     k = 3
-    llm = llm_for(path, max_num_tokens=9,
+    llm = llm_for(path, max_num_tokens=9, device="cpu",      # compared on the CPU
                   speculative_config=MTPConfig(num_nextn_predict_layers=k))
     assert_drafts_match_reference(llm, PROMPTS[:3], GREEDY, lambda ids: ref.drafts(ids, k), k)
     assert_states_free(llm)

@@ -144,6 +144,10 @@ class NemotronHConfig(DecoderConfig):
 class Mamba2Mixer(nn.Module):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
 
+    # verify rows through kernels/recurrent.py's Triton launch: None = on CUDA (tests set
+    # True to run it in Triton's interpreter)
+    verify_kernel: bool | None = None
+
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
@@ -190,10 +194,16 @@ class Mamba2Mixer(nn.Module):
             mixed, conv_s = causal_conv(xbc[rows].view(n, length, -1), init["conv"], weight,
                                         keep_all, self.conv1d.bias)
             xs, b, c = mixed.split([self.inner, gn, gn], dim=-1)
-            out, ssm_s = mamba2_scan(
-                xs.reshape(n, length, self.num_heads, self.head_dim), dt[rows].view(n, length, -1),
-                a, b.reshape(n, length, self.n_groups, -1), c.reshape(n, length, self.n_groups, -1),
-                self.D, init["ssm"], keep_all)
+            args = (xs.reshape(n, length, self.num_heads, self.head_dim),
+                    dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
+                    c.reshape(n, length, self.n_groups, -1), self.D)
+            if keep_all and (x.is_cuda if self.verify_kernel is None else self.verify_kernel):
+                from onespec.kernels.recurrent import mamba2_verify
+                idx = torch.tensor(reqs, device=x.device)
+                out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],
+                                           rb.fresh[idx])
+            else:
+                out, ssm_s = mamba2_scan(*args, init["ssm"], keep_all)
             y[rows] = out.reshape(-1, self.inner)
             rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         return self.out_proj(self.gated_norm(y, z).to(x.dtype))

@@ -199,6 +199,10 @@ class GatedDeltaNet(nn.Module):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
 
+    # verify rows through kernels/recurrent.py's Triton launch: None = on CUDA (tests set
+    # True to run it in Triton's interpreter)
+    verify_kernel: bool | None = None
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -262,12 +266,17 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_s = causal_conv(qkv[rows].view(n, length, -1), init["conv"], weight,
                                         keep_all)
             q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            o, ssm_s = gated_delta_scan(
-                q.reshape(n, length, self.num_k_heads, self.head_k_dim),
-                k.reshape(n, length, self.num_k_heads, self.head_k_dim),
-                v.reshape(n, length, self.num_v_heads, self.head_v_dim),
-                g[rows].view(n, length, -1), beta[rows].view(n, length, -1), init["ssm"],
-                keep_all)
+            args = (q.reshape(n, length, self.num_k_heads, self.head_k_dim),
+                    k.reshape(n, length, self.num_k_heads, self.head_k_dim),
+                    v.reshape(n, length, self.num_v_heads, self.head_v_dim),
+                    g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
+            if keep_all and (x.is_cuda if self.verify_kernel is None else self.verify_kernel):
+                from onespec.kernels.recurrent import gated_delta_verify
+                idx = torch.tensor(reqs, device=x.device)
+                o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],
+                                              rb.fresh[idx])
+            else:
+                o, ssm_s = gated_delta_scan(*args, init["ssm"], keep_all)
             core[rows] = o.reshape(-1, self.num_v_heads, self.head_v_dim).to(x.dtype)
             rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         out = self.norm(core, z).reshape(x.shape[0], self.value_dim)

@@ -165,10 +165,12 @@ class SpecWorker:
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
         rows = hidden[inp.logit_rows]
         acc = self.acceptor.accept(self.verifier, inp, rows)
-        self.commit_states(inp, acc.num_accepted)
         logprobs, prompt_logprobs = self.logprobs(inp, hidden, rows, acc)
         drafts, draft_probs = self._propose(inp, hidden, captured, acc.context_tokens,
                                             acc.accepted, acc.num_accepted)
+        # last: a step that raises before this leaves every recurrent state as it was
+        # (the engine may run it again in parts); the drafters keep no recurrent state
+        self.commit_states(inp, acc.num_accepted)
         return StepResults(acc.context_tokens, acc.accepted, acc.num_accepted, drafts,
                            draft_probs, acc.relaxed, logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs)

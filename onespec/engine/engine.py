@@ -6,6 +6,8 @@ import itertools
 import logging
 import time
 
+import torch
+
 from onespec.combinations import (GRAMMAR, check_combinations, engine_features, graphs_allowed,
                                   spec_features)
 from onespec.config import AUTO_DRAFT_LEN, EngineConfig, SpeculativeConfig, as_speculative_config

@@ -99,6 +99,9 @@ def test_state_pool_full_after_every_exit(models):
     llm = llm_for(path, max_batch_size=2)
     eng = llm.engine
     assert eng.states.num_slots == 2
+    from onespec.engine.summary import summary_lines
+    assert any(line.startswith("recurrent state: 3 layers, 2 slots")
+               for line in summary_lines(eng))
     reqs = [eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
             for p in PROMPTS + [[21, 22, 23]]]
     eng.step()                    # two admitted (one slot each), two waiting

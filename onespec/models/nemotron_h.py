@@ -144,8 +144,8 @@ class NemotronHConfig(DecoderConfig):
 class Mamba2Mixer(nn.Module):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
 
-    # verify rows through kernels/recurrent.py's Triton launch: None = on CUDA (tests set
-    # True to run it in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
+    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
     verify_kernel: bool | None = None
 
     def __init__(self, cfg: NemotronHConfig):
@@ -188,6 +188,7 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         gn = self.n_groups * self.state_size
         y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
+        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
         for rows, reqs, snap, keep_all in rb.segments():
             init = rb.initial(self.states, reqs)
             n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
@@ -197,11 +198,11 @@ class Mamba2Mixer(nn.Module):
             args = (xs.reshape(n, length, self.num_heads, self.head_dim),
                     dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
                     c.reshape(n, length, self.n_groups, -1), self.D)
-            if keep_all and (x.is_cuda if self.verify_kernel is None else self.verify_kernel):
+            if use_kernel:
                 from onespec.kernels.recurrent import mamba2_verify
                 idx = torch.tensor(reqs, device=x.device)
                 out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],
-                                           rb.fresh[idx])
+                                           rb.fresh[idx], keep_all)
             else:
                 out, ssm_s = mamba2_scan(*args, init["ssm"], keep_all)
             y[rows] = out.reshape(-1, self.inner)

@@ -199,8 +199,8 @@ class GatedDeltaNet(nn.Module):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
 
-    # verify rows through kernels/recurrent.py's Triton launch: None = on CUDA (tests set
-    # True to run it in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
+    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
     verify_kernel: bool | None = None
 
     def __init__(self, cfg: HybridConfig):
@@ -260,6 +260,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)                               # [C, W]
         core = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim)
+        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
         for rows, reqs, snap, keep_all in rb.segments():
             init = rb.initial(self.states, reqs)
             n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
@@ -270,11 +271,11 @@ class GatedDeltaNet(nn.Module):
                     k.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     v.reshape(n, length, self.num_v_heads, self.head_v_dim),
                     g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
-            if keep_all and (x.is_cuda if self.verify_kernel is None else self.verify_kernel):
+            if use_kernel:
                 from onespec.kernels.recurrent import gated_delta_verify
                 idx = torch.tensor(reqs, device=x.device)
                 o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],
-                                              rb.fresh[idx])
+                                              rb.fresh[idx], keep_all)
             else:
                 o, ssm_s = gated_delta_scan(*args, init["ssm"], keep_all)
             core[rows] = o.reshape(-1, self.num_v_heads, self.head_v_dim).to(x.dtype)

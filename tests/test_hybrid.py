@@ -317,8 +317,11 @@ def test_rejection_sampling_keeps_distribution(tmp_path):
         tss.VOCAB = old
 
 
-def test_refused_combinations_and_config(models, eagle_heads, tmp_path):
+def test_refused_combinations_and_config(models, eagle_heads, tmp_path, caplog):
     path, _, _ = models["qwen3-next"]
+    with caplog.at_level("INFO", logger="onespec.engine"):
+        assert llm_for(path).engine.pool.cache is None
+    assert "prefix caching is off for Qwen3NextForCausalLM" in caplog.text
     with pytest.raises(UnsupportedCombination, match="a hybrid target"):
         llm_for(path, speculative_config=Eagle3Config(eagle_heads["qwen3-next"], max_draft_len=2,
                                                       use_dynamic_tree=True))
@@ -334,7 +337,10 @@ def test_refused_combinations_and_config(models, eagle_heads, tmp_path):
                                  "mrope_section": [2, 1, 1], "rope_type": "default"},
                 mtp_num_hidden_layers=1)
     with pytest.raises(ValueError, match="not a Qwen3-Next / Qwen3.5 config"):
-        HybridConfig.from_hf({**base, "text_config": text})
+        HybridConfig.from_hf({**base, "architectures": ["Qwen3VLForConditionalGeneration"],
+                              "text_config": text})
+    assert HybridConfig.from_hf({**base, "text_config": text}).architecture == \
+        "Qwen3_5ForCausalLM"
     cfg = HybridConfig.from_hf({**base, "architectures": ["Qwen3_5ForCausalLM"],
                                 "text_config": text})
     assert cfg.layer_types == ("linear_attention", "linear_attention", "full_attention") * 2
@@ -436,5 +442,31 @@ def test_nemotron_h_mtp(models, tmp_path):
     assert_drafts_match_reference(llm, PROMPTS[:3], GREEDY, lambda ids: ref.drafts(ids, k), k)
     assert_states_free(llm)
     outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert_states_free(llm)
+
+
+def test_qwen3_5_vision_language_checkpoint(tmp_path):
+    """A published-style Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration: text_config,
+    model.language_model.*, a vision tower) serves text prompts as transformers does."""
+    import transformers
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, max_position_embeddings=256, eos_token_id=2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, spatial_merge_size=1,
+                  temporal_patch_size=1, num_position_embeddings=16)
+    torch.manual_seed(5)
+    hf = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    refs = [hf_greedy(hf, p, 8) for p in PROMPTS[:2]]
+    llm = llm_for(str(tmp_path))
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert_states_free(llm)

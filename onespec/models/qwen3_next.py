@@ -1,6 +1,8 @@
 """Hybrid gated-DeltaNet targets: Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5
-(`Qwen3_5ForCausalLM` dense, `Qwen3_5MoeForCausalLM`; a `text_config` nested in the
-config is read too).
+(`Qwen3_5ForCausalLM` dense, `Qwen3_5MoeForCausalLM`, and the published vision-language
+checkpoints `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`, whose
+language model is read from `text_config` and `model.language_model.*`; the vision tower
+is not loaded: text prompts only).
 
 Layer i is `layer_types[i]` ("linear_attention" or "full_attention"; without it, every
 `full_attention_interval`-th layer, default 4, is full attention):
@@ -42,7 +44,10 @@ from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, DecoderConfig, check_field_types
 from onespec.models.moe import Experts, PagedCausalLM, Router
 
-ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                 "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+TEXT_MODEL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -72,6 +77,7 @@ class HybridConfig(DecoderConfig):
         if arch is None:
             raise ValueError(f"{source}: not a Qwen3-Next / Qwen3.5 config: architectures "
                              f"{archs!r}")
+        arch = TEXT_MODEL.get(arch, arch)
         text = {**cfg, **(cfg.get("text_config") or {})}     # Qwen3.5 may nest it
         check_field_types(text, source)
         base = DecoderConfig.from_hf({**text, "architectures": ["Qwen3ForCausalLM"]}, source)

@@ -217,7 +217,8 @@ def test_mtp_on_qwen3_5_lossless(models, tmp_path):
                   **ENGINE_MODES["preemption"])
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == refs
-    assert llm.stats()["num_draft_tokens"] > 0
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
     assert_states_free(llm)
 
 
@@ -325,6 +326,8 @@ def test_refused_combinations_and_config(models, eagle_heads, tmp_path, caplog):
     with pytest.raises(UnsupportedCombination, match="a hybrid target"):
         llm_for(path, speculative_config=Eagle3Config(eagle_heads["qwen3-next"], max_draft_len=2,
                                                       use_dynamic_tree=True))
+    with pytest.raises(UnsupportedCombination, match="a hybrid target .* tensor_parallel"):
+        llm_for(path, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         llm_for(path, speculative_config=MTPConfig(num_nextn_predict_layers=2,
                                                    use_mtp_vanilla=True))

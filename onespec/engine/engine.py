@@ -72,7 +72,8 @@ class Engine:
         # the features in play, their pairs checked once (combinations.py) before any rank
         # starts; the target's own (its window) are added once its config is read
         target_cls = target_class(read_config(config.model)) \
-            if config.attention_backend == "triton" else None     # (its tree masks)
+            if config.attention_backend == "triton" or config.tensor_parallel_size > 1 \
+            else None     # (its tree masks; a hybrid target is refused before ranks start)
         self.features = spec_features(speculative_config) | engine_features(config, target_cls)
         check_combinations(self.features)
         self.ranks = start_ranks(config, speculative_config, self.features)

@@ -52,6 +52,15 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
     return ScheduledBatch(ctx, gen[:m], k), ScheduledBatch([], gen[m:], k)
 
 
+def _known_target_class(model: str):
+    """The target's class, or None where its config is unreadable or unsupported (the
+    ranks' start-up then says so with its own message)."""
+    try:
+        return target_class(read_config(model))
+    except ValueError:
+        return None
+
+
 def _check_draft_len(k: int, max_draft_len: int):
     if not isinstance(k, int) or not 0 <= k <= max_draft_len:
         raise ValueError(f"draft length must be an integer in [0, max_draft_len = "
@@ -72,8 +81,9 @@ class Engine:
         # the features in play, their pairs checked once (combinations.py) before any rank
         # starts; the target's own (its window) are added once its config is read
         target_cls = target_class(read_config(config.model)) \
-            if config.attention_backend == "triton" or config.tensor_parallel_size > 1 \
-            else None     # (its tree masks; a hybrid target is refused before ranks start)
+            if config.attention_backend == "triton" else None     # (its tree masks)
+        if target_cls is None and config.tensor_parallel_size > 1:
+            target_cls = _known_target_class(config.model)   # (a hybrid: refused before ranks)
         self.features = spec_features(speculative_config) | engine_features(config, target_cls)
         check_combinations(self.features)
         self.ranks = start_ranks(config, speculative_config, self.features)

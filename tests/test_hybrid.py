@@ -467,3 +467,21 @@ def test_qwen3_5_vision_language_checkpoint(tmp_path):
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert_states_free(llm)
+
+
+def test_bench_hybrid_shape_floor(tmp_path):
+    """bench decode's hybrid shape: the dummy engine builds, and its floor counts each
+    request's recurrent state read once and written after each of the K+1 verify rows."""
+    from onespec.bench.models import step_floor_parts, write_model_dirs
+    from onespec.engine.state_pool import state_bytes
+    target, head = write_model_dirs("tiny-hybrid", str(tmp_path))
+    assert head is None                      # drafted by its MTP layer
+    llm = LLM(target, load_format="dummy", dtype="float32", device="cpu", max_batch_size=4,
+              max_model_len=64, speculative_config=MTPConfig(num_nextn_predict_layers=3))
+    eng = llm.engine
+    per = state_bytes(eng.model.recurrent_layers(), torch.float32)
+    assert per > 0 and len(eng.model.recurrent_layers()) == 3
+    for batch, k in ((1, 0), (4, 3)):
+        parts = step_floor_parts(eng, batch, k, kv_tokens=100.0)
+        assert parts["state"] == batch * per * (k + 2)
+        assert parts["target"] > 0 and parts["kv"] > 0

@@ -34,6 +34,7 @@ TP = "tensor_parallel_size > 1"
 SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
 FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
+HYBRID = "a hybrid target (recurrent layers)"
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,16 @@ REFUSED = (
                       "None"),
     Refusal(GRAMMAR, TP, "grammar masks are applied on one rank"),
     Refusal(FP8_WEIGHTS, TP, "FP8 weights are loaded on one rank"),
+    Refusal(TREE, HYBRID, "a tree verify would need a recurrent state per tree node; use "
+                          "chain drafting"),
+    Refusal(HYBRID, TP, "recurrent layers are not split over ranks yet"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
 RUNS_EAGERLY = {
     REJECTION: "q of every draft is sampled per request",
     TP: "a replay would have to be mirrored rank by rank",
+    HYBRID: "the recurrent layers' steps are not captured yet",
 }
 
 
@@ -102,12 +107,14 @@ def spec_features(sc) -> set[str]:
 
 
 def engine_features(engine_config, target_cls=None, sliding_window=None,
-                    fp8_checkpoint: bool = False) -> set[str]:
+                    fp8_checkpoint: bool = False, recurrent: bool = False) -> set[str]:
     """The features of the engine's options and of the target (its class, its window,
-    whether its checkpoint is FP8)."""
+    whether its checkpoint is FP8, whether it has recurrent layers)."""
     on = set()
     if getattr(engine_config, "quantization", None) is not None or fp8_checkpoint:
         on.add(FP8_WEIGHTS)
+    if recurrent or getattr(target_cls, "recurrent", False):
+        on.add(HYBRID)
     if engine_config.tensor_parallel_size > 1:
         on.add(TP)
     if sliding_window is not None:

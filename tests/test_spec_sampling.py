@@ -40,10 +40,11 @@ def exact_joint(hf, temperature: float, top_k: int, top_p: float,
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def chi_square_pvalue(samples: list[list[int]], joint: torch.Tensor) -> float:
-    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+def chi_square_pvalue(samples: list[list[int]], joint: torch.Tensor, vocab: int = VOCAB
+                      ) -> float:
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     for t in samples:
-        counts[(t[0] * VOCAB + t[1]) * VOCAB + t[2]] += 1
+        counts[(t[0] * vocab + t[1]) * vocab + t[2]] += 1
     expected = joint.flatten().double() * len(samples)
     big = expected >= 5                       # pool the sparse cells into one
     obs = torch.cat([counts[big], counts[~big].sum().view(1)])

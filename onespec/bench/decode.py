@@ -81,9 +81,9 @@ def parse_args(argv):
                         "is their median (each run's in step_ms_trials); transformers: one")
     p.add_argument("--shape", default=None,
                    choices=sorted(SHAPES) + sorted(GPT_OSS_SHAPES) + sorted(MTP_SHAPES),
-                   help="MLA + MoE shapes (%s) draft with their MTP layer, gpt-oss shapes "
-                        "(%s) with an EAGLE-3 head; default: llama3-8b on a GPU where its "
-                        "weights fit, else tiny"
+                   help="MLA + MoE and hybrid shapes (%s) draft with their MTP layer, gpt-oss "
+                        "shapes (%s) with an EAGLE-3 head; default: llama3-8b on a GPU where "
+                        "its weights fit, else tiny"
                         % (", ".join(MTP_SHAPES), ", ".join(GPT_OSS_SHAPES)))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cuda", "cpu"], help="where to run")
@@ -328,7 +328,7 @@ def onespec_row(llm, batch, draft: Draft, m: Measurement, bandwidth: float
         if draft.k == AUTO_DRAFT_LEN else {draft.k: 1.0}
     mean_k = sum(k * w for k, w in shares.items())
     context = m.kv_tokens - batch * (mean_k + 1)
-    parts = {"target": 0.0, "head": 0.0, "kv": 0.0}
+    parts = {"target": 0.0, "head": 0.0, "kv": 0.0, "state": 0.0}
     for k, w in shares.items():
         for name, b in step_floor_parts(eng, batch, k, context + batch * (k + 1)).items():
             parts[name] += w * b
@@ -409,7 +409,7 @@ def run_onespec_configs(llm, configs, args, bandwidth, emit, plain, hf_best):
                        f"{row['speedup']:.2f}x (tok/s vs plain); step {m.step_ms:.2f} ms vs "
                        f"plain {base['step_ms']:.2f} ms; floor {row['floor_ms']:.2f} ms = target "
                        f"{floors['target']:.2f} + head {floors['head']:.2f} + kv "
-                       f"{floors['kv']:.2f}", file=sys.stderr)
+                       f"{floors['kv']:.2f} + state {floors['state']:.2f}", file=sys.stderr)
 
 
 def run_onespec(args, bandwidth: float, emit, hf_best: dict[int, float]):

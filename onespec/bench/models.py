@@ -12,6 +12,7 @@ import time
 import torch
 
 from onespec.bench.moe import MTP_SHAPES, is_moe, moe_step_bytes, mtp_target_config
+from onespec.engine.kv_cache import target_attention_layers
 from onespec.speculative.mtp import MTPDrafter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -184,7 +185,8 @@ def step_bytes(model, head, batch: int, k: int, kv_tokens: float,
     weights = _nbytes(p for p in model.parameters() if p is not embed)
     if model.lm_head.weight is embed:          # tied: the table is read whole as the lm_head
         weights += _nbytes([embed])
-    out = {"target": weights + rows, "head": 0.0, "kv": kv_tokens * target_kv_per_token}
+    out = {"target": weights + rows, "head": 0.0, "kv": kv_tokens * target_kv_per_token,
+           "state": 0.0}
     if head is not None and k > 0:
         per_pass = _nbytes(p for n, p in head.named_parameters() if not n.startswith("fc."))
         out["head"] = _nbytes(head.fc.parameters()) + k * per_pass
@@ -214,7 +216,7 @@ def step_floor_parts(engine, batch: int, k: int, kv_tokens: float) -> dict[str, 
     an MoE target with an EAGLE-3 head counts its experts as moe_step_bytes does and its
     head as step_bytes does."""
     head = engine.drafter.head if engine.drafter is not None else None
-    layers = [layer.self_attn for layer in engine.model.model.layers]
+    layers = target_attention_layers(engine.model)
     target_kv = kv_bytes_per_token(layers)
     head_kv = kv_bytes_per_token(engine.drafter.attention_layers) if head is not None else 0
     if isinstance(engine.drafter, MTPDrafter):

@@ -12,6 +12,13 @@ lightning indexer of 64 heads of 128 keeping the top 2048 tokens, YaRN to 160k p
 vocab 129,280) with 4 layers instead of 61 (one dense, three MoE) and one MTP layer: about
 97 GB of bfloat16 weights, for one H200. `tiny-dsa` is the same architecture in miniature
 (the CPU tests run it).
+
+`qwen3.5-moe-hybrid` is Qwen3.5-MoE-like (35B-A3B class, fits one H200 in bf16): 40 layers,
+hidden 2048, three gated-DeltaNet layers to one gated full-attention layer (16 key / 32
+value heads of 128; 16 query and 2 KV heads of 256, a quarter of each rotated), 256
+experts of 512 of which 8 are active plus one shared expert, vocab 248,320, one MTP
+layer. Its floor adds the recurrent state a step moves: every request's state read once
+and written after each of its K+1 verify rows (the snapshots the commit picks from).
 """
 from __future__ import annotations
 
@@ -50,11 +57,32 @@ MTP_SHAPES = {
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, vocab_size=1000, index_n_heads=4, index_head_dim=32,
         index_topk=16)),
+    "qwen3.5-moe-hybrid": ("qwen3.5-moe-hybrid-shape", dict(
+        architectures=["Qwen3_5MoeForCausalLM"], hidden_size=2048, intermediate_size=512,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_hidden_layers=40, full_attention_interval=4, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        vocab_size=248320)),
+    "tiny-hybrid": ("tiny-hybrid-shape", dict(
+        architectures=["Qwen3_5MoeForCausalLM"], hidden_size=128, intermediate_size=64,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_hidden_layers=4,
+        full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        num_experts=8, num_experts_per_tok=2, vocab_size=1000)),
 }
 
 
 def mtp_target_config(shape: str) -> dict:
     _, fields = MTP_SHAPES[shape]
+    if fields.get("architectures") == ["Qwen3_5MoeForCausalLM"]:     # the hybrid shapes
+        return {"model_type": "qwen3_5_moe_text", **fields, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                    "partial_rotary_factor": 0.25},
+                "max_position_embeddings": 4096, "mtp_num_hidden_layers": 1,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
     return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
             "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
             "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "rope_interleave": True,
@@ -98,7 +126,8 @@ def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
     target = sum(_layer_bytes(layer, rows, top_k) for layer in model.model.layers)
     target += _nbytes(model.model.norm.parameters()) + _nbytes([model.lm_head.weight])
     target += rows * embed.shape[1] * embed.element_size()
-    out = {"target": target, "head": 0.0, "kv": kv_tokens * target_kv_per_token}
+    out = {"target": target, "head": 0.0, "kv": kv_tokens * target_kv_per_token,
+           "state": state_step_bytes(model, batch, k)}
     if drafter is not None and k > 0:
         layer = drafter.head.layers[0]       # (vanilla mode is not benchmarked)
         lm_head = layer.shared_head.head or model.lm_head
@@ -109,6 +138,16 @@ def moe_step_bytes(model, drafter, batch: int, k: int, kv_tokens: float,
         out["head"] = sum(per_pass + _layer_bytes(layer.block, r, top_k) for r in head_rows)
         out["kv"] += k * kv_tokens * head_kv_per_token
     return out
+
+
+def state_step_bytes(model, batch: int, k: int) -> float:
+    """Recurrent state a step of a hybrid target moves: each request's state read once and
+    written after each of its K+1 verify rows (0 for other targets)."""
+    if not getattr(model, "recurrent", False):
+        return 0.0
+    from onespec.engine.state_pool import state_bytes
+    per = state_bytes(model.recurrent_layers(), model.lm_head.weight.dtype)
+    return float(batch * per * (1 + k + 1))
 
 
 def is_moe(model) -> bool:

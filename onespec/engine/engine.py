@@ -40,7 +40,7 @@ logger = logging.getLogger("onespec.engine")
 # leave them to the garbage collector)
 RELEASED_LAYER_TENSORS = ("k_cache", "v_cache", "kv_pool", "latent_cache", "index_cache")
 RELEASED_ENGINE_PARTS = ("model", "drafter", "host_drafter", "runner", "scheduler", "pool",
-                         "policy", "grammars", "thinking", "gate", "_fixed_draft_len", "generator",
+                         "states", "policy", "grammars", "thinking", "gate", "_fixed_draft_len", "generator",
                          "requests")
 
 
@@ -51,6 +51,15 @@ def _halves(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
         return ScheduledBatch(ctx[:n], [], k), ScheduledBatch(ctx[n:], gen, k)
     m = n - len(ctx)
     return ScheduledBatch(ctx, gen[:m], k), ScheduledBatch([], gen[m:], k)
+
+
+def _known_target_class(model: str):
+    """The target's class, or None where its config is unreadable or unsupported (the
+    ranks' start-up then says so with its own message)."""
+    try:
+        return target_class(read_config(model))
+    except ValueError:
+        return None
 
 
 def _check_draft_len(k: int, max_draft_len: int):
@@ -76,6 +85,8 @@ class Engine:
         target_cls = target_class(raw) \
             if config.attention_backend == "triton" else None     # (its tree masks)
         fp8_checkpoint = checkpoint_scheme(raw, config.model) is not None
+        if target_cls is None and config.tensor_parallel_size > 1:
+            target_cls = _known_target_class(config.model)   # (a hybrid: refused before ranks)
         self.features = spec_features(speculative_config) | \
             engine_features(config, target_cls, fp8_checkpoint=fp8_checkpoint)
         check_combinations(self.features)
@@ -99,17 +110,19 @@ class Engine:
         worker, drafter, k = parts.worker, parts.drafter, parts.max_draft_len
         self.acceptor = worker.acceptor         # the acceptance rule, for the engine's life
         mcfg = self.model.config
-        self.features |= engine_features(config, sliding_window=target_window(mcfg))
+        self.features |= engine_features(config, sliding_window=target_window(mcfg),
+                                         recurrent=parts.states is not None)
         self.tokenizer = load_tokenizer(config.model)
         # a model drafter runs in the step; host drafts (the suffix-automaton enhancer, the
         # n-gram drafter) are set in _finish_step
         self.host_drafter = make_host_drafter(speculative_config)
         num_blocks, max_positions = parts.num_kv_blocks, parts.max_positions
+        self.states = parts.states      # a hybrid target's recurrent-state pool, or None
         self.pool = BlockPool(num_blocks, config.block_size,
                               self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids,
-                                   self.shape)
+                                   self.shape, self.states)
         sc = speculative_config
         relaxed = sc is not None and sc.use_relaxed_acceptance_for_thinking
         self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,
@@ -149,6 +162,8 @@ class Engine:
             self.ranks.shutdown()
         self._inflight = None
         self._release_kv_cache()
+        if getattr(self, "states", None) is not None:
+            self.states.release()
         for name in RELEASED_ENGINE_PARTS:
             setattr(self, name, None)
         # building a model under torch.device("meta") leaves reference cycles of frames
@@ -239,6 +254,10 @@ class Engine:
         lookahead); forced acceptance emits tokens other than those whose KV it computed,
         so then only prompt blocks are cached."""
         if not self.config.enable_prefix_caching:
+            return None
+        if self.states is not None:
+            logger.info("prefix caching is off for %s: its recurrent layers' state at a "
+                        "block boundary is not kept", self.model.config.architecture)
             return None
         lookahead = 1 if drafter is not None and drafter.attention_layers else 0
         forced = sc is not None and (sc.force_acceptance_length is not None

@@ -105,6 +105,14 @@ def slots_per_step(k: int, drafting: bool = True) -> int:
     return max(k + 1, 2 * k) if drafting else k + 1
 
 
+def target_attention_layers(model) -> list:
+    """The target's layers that keep paged KV: every layer's self_attn, or only the
+    full-attention layers of a hybrid target (its attention_layers())."""
+    if hasattr(model, "attention_layers"):
+        return model.attention_layers()
+    return [layer.self_attn for layer in model.model.layers]
+
+
 def kv_bytes_per_block(attn_layers, block_size: int) -> int:
     """A layer may define cache_bytes_per_token() (e.g. MLA's latent cache); otherwise it
     holds k_cache and v_cache of [slots, Hkv, D]."""

@@ -234,6 +234,8 @@ class ModelRunner:
         max_kv = max(pos) + 1
         meta = build_attention_metadata(block_tables, q_lens, positions, self.block_size, max_kv,
                                         self.sliding_window, self.worker.attn_backend)
+        if self.worker.states is not None:       # a hybrid target's recurrent-state slots
+            meta.recurrent = self.worker.states.batch(batch.context, batch.generation, k, dev)
         num_drafts = len(draft_rows[0]) if draft_rows else k
         return StepInputs(
             input_ids=as_long(ids), positions=positions, meta=meta, block_tables=block_tables,

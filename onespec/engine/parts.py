@@ -16,7 +16,8 @@ from onespec.combinations import check_combinations, engine_features, target_win
 from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.distributed import TensorParallel
 from onespec.distributed.layers import tensor_parallel_ops
-from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, target_attention_layers
+from onespec.engine.state_pool import StatePool, state_bytes
 from onespec.engine.memory import available_bytes, require_bytes
 from onespec.kernels.settings import KernelSettings
 from onespec.layers.ops import make_ops
@@ -57,6 +58,7 @@ class RankParts:
     max_positions: int          # rotary tables cover positions [0, max_positions)
     num_kv_blocks: int          # the pool's blocks (each layer holds one more: scratch)
     worker: SpecWorker
+    states: StatePool | None    # recurrent-state slots (hybrid targets)
 
     @classmethod
     def build(cls, config: EngineConfig, sc, parallel: TensorParallel | None,
@@ -66,7 +68,9 @@ class RankParts:
         b = _Builder(config, sc, parallel)
         model = b.load_target()
         mcfg = model.config
-        check_combinations(features | engine_features(config, sliding_window=target_window(mcfg)))
+        recurrent = getattr(model, "recurrent", False)
+        check_combinations(features | engine_features(config, sliding_window=target_window(mcfg),
+                                                      recurrent=recurrent))
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
@@ -84,21 +88,27 @@ class RankParts:
                              f"({drafter.draft_vocab_size}), got {b.tree.top_k}")
         max_positions = max_model_len + 2 * k + 2
         model.setup_rotary(max_positions, b.device)
-        target_layers = [layer.self_attn for layer in model.model.layers]
+        target_layers = target_attention_layers(model)
         draft_layers = drafter.attention_layers if drafter else []
         if drafter:
             drafter.head.setup_rotary(max_positions, b.device)
         blocks_per_seq = -(-(max_model_len + shape.gen_slots(k)) // config.block_size)
-        num_blocks = b.num_kv_blocks(target_layers + draft_layers, blocks_per_seq, max_model_len)
+        num_blocks = b.num_kv_blocks(target_layers + draft_layers, blocks_per_seq, max_model_len,
+                                     reserved=b.state_pool_bytes(model, shape.verify_rows(k))
+                                     if recurrent else 0)
+        # (after the count: the budget above leaves the state pool's bytes out)
+        states = b.state_pool(model, shape.verify_rows(k)) if recurrent else None
         # one block past the pool is scratch space for the padding rows of CUDA graphs;
         # the target's layers apart from the drafter's (tree steps move the target's
         # entries of every layer at once: their own tensor)
         for layers in (target_layers, draft_layers):
             allocate_kv_cache(layers, num_blocks + 1, config.block_size, b.device)
         generator = torch.Generator(b.device).manual_seed(config.seed)
-        worker = SpecWorker(model, drafter, make_acceptor(sc), generator, b.backend, b.tree)
+        worker = SpecWorker(model, drafter, make_acceptor(sc), generator, b.backend, b.tree,
+                            states)
         return cls(config, parallel, b.device, b.dtype, b.tree, shape, b.kernel_settings,
-                   b.ops, model, drafter, max_model_len, k, max_positions, num_blocks, worker)
+                   b.ops, model, drafter, max_model_len, k, max_positions, num_blocks, worker,
+                   states)
 
 
 def _check_parallel_head(head_cfg: Eagle3HeadConfig, sc: Eagle3Config):
@@ -166,9 +176,26 @@ class _Builder:
             return ParallelDrafter(head.eval(), model, tuple(capture))
         return Eagle3Drafter(head.eval(), model, tuple(capture))
 
-    def num_kv_blocks(self, attn_layers, blocks_per_seq: int, max_model_len: int) -> int:
-        """The pool's block count: num_kv_blocks, or a fraction of free memory but never
-        more than the batch can use (the smallest over the ranks: all hold the same)."""
+    def state_pool_bytes(self, model, verify_rows: int) -> int:
+        """Bytes of a hybrid target's state pool: a slot per request of the batch and a
+        snapshot row per verify row (state_pool.py)."""
+        per = state_bytes(model.recurrent_layers(), self.dtype)
+        return per * self.config.max_batch_size * (1 + verify_rows)
+
+    def state_pool(self, model, verify_rows: int) -> StatePool:
+        """The recurrent-state pool: max_batch_size slots, and snapshot rows for a step
+        of max_batch_size requests of verify_rows rows each."""
+        need = self.state_pool_bytes(model, verify_rows)
+        require_bytes(need, self.device, f"the recurrent-state pool of max_batch_size="
+                      f"{self.config.max_batch_size} requests")
+        b = self.config.max_batch_size
+        return StatePool(model.recurrent_layers(), b, b * verify_rows, self.dtype, self.device)
+
+    def num_kv_blocks(self, attn_layers, blocks_per_seq: int, max_model_len: int,
+                      reserved: int = 0) -> int:
+        """The pool's block count: num_kv_blocks, or a fraction of free memory (less
+        `reserved` bytes, the state pool's) but never more than the batch can use (the
+        smallest over the ranks: all hold the same)."""
         cfg = self.config
         per_block = kv_bytes_per_block(attn_layers, cfg.block_size)
         if cfg.num_kv_blocks is not None:
@@ -176,7 +203,7 @@ class _Builder:
             require_bytes(num * per_block, self.device, f"num_kv_blocks={num} (KV cache)")
         else:      # what the batch can use, capped by a fraction of free memory (a CPU
             #        pool takes pages only as blocks are written: zeros_on_write)
-            budget = int(available_bytes(self.device) * cfg.kv_cache_memory_fraction)
+            budget = int(available_bytes(self.device) * cfg.kv_cache_memory_fraction) - reserved
             num = min(budget // per_block, blocks_per_seq * cfg.max_batch_size)
             if self.parallel:
                 num = self.parallel.min_int(num)

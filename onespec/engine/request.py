@@ -85,6 +85,7 @@ class Request:
     num_computed: int = 0
     in_context: bool = True                    # prefill (or recompute) not finished yet
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None   # recurrent-state slot (hybrid targets, state_pool.py)
     draft_tokens: list[int] = field(default_factory=list)
     draft_parents: list[int] = field(default_factory=list)  # tree drafts: parent row of each
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -47,8 +47,9 @@ class StepOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_tokens: int, max_batch_size: int,
                  max_model_len: int, has_drafter: bool, eos_token_ids: tuple[int, ...],
-                 shape: ChainShape | TreeShape | None = None):
+                 shape: ChainShape | TreeShape | None = None, states=None):
         self.pool = pool
+        self.states = states      # StatePool of a hybrid target (state_pool.py), or None
         self.shape = shape or ChainShape(has_drafter)   # rows and slots a step takes
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         self.max_model_len = max_model_len
@@ -126,9 +127,12 @@ class Scheduler:
             end = start + length
             is_last = end == req.num_tokens
             slots = self._ctx_slots(end, is_last, k)
-            if not self.pool.can_admit(hits, slots):
+            if not self.pool.can_admit(hits, slots) or \
+                    (self.states is not None and not self.states.num_free):
                 break
             self.pool.admit(req, hits, slots)
+            if self.states is not None:
+                req.state_slot = self.states.allocate()
             req.num_computed = start
             if req.metrics.num_cached_tokens is None:      # (not again after preemption)
                 req.metrics.num_cached_tokens = start
@@ -155,6 +159,7 @@ class Scheduler:
     def _preempt(self, req: Request):
         self.running.remove(req)
         self.pool.free(req.block_table)
+        self._free_state(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
         req.in_context = True
@@ -254,8 +259,16 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.pool.free(req.block_table)
+        self._free_state(req)
         req.draft_tokens = []
         req.features.release()
+
+    def _free_state(self, req: Request):
+        """Gives req's recurrent-state slot back (a request that recomputes, after
+        preemption, starts from zeros in a fresh one)."""
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
 
     def abort(self, req: Request):
         if req.is_finished:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, MTPConfig, NGramConfig
-from onespec.engine.kv_cache import kv_bytes_per_block
+from onespec.engine.kv_cache import kv_bytes_per_block, target_attention_layers
+from onespec.engine.state_pool import state_bytes
 
 
 def describe_drafter(sc, max_draft_len: int) -> str:
@@ -45,7 +46,7 @@ def summary_lines(engine) -> list[str]:
     cfg, mcfg = engine.config, engine.model.config
     arch = type(engine.model).__name__
     draft_layers = engine.drafter.attention_layers if engine.drafter else []
-    layers = [layer.self_attn for layer in engine.model.model.layers] + list(draft_layers)
+    layers = target_attention_layers(engine.model) + list(draft_layers)
     per_block = kv_bytes_per_block(layers, cfg.block_size)
     num_blocks = engine.pool.num_blocks
     graphs = engine.runner.graphs
@@ -54,8 +55,8 @@ def summary_lines(engine) -> list[str]:
         graph_text = f"batch buckets {graphs.buckets}, K {ks}"
     else:
         graph_text = "off (" + ("not on CUDA" if engine.device.type != "cuda" else
-                                "eager: rejection sampling, several ranks or cuda_graphs="
-                                "False") + ")"
+                                "eager: rejection sampling, several ranks, a hybrid target "
+                                "or cuda_graphs=False") + ")"
     if engine.tokenizer is None:
         structured = "off (the model has no tokenizer)"
     elif importlib.util.find_spec("xgrammar") is None:
@@ -76,6 +77,16 @@ def summary_lines(engine) -> list[str]:
         f"max_num_tokens {cfg.max_num_tokens}",
         f"attention: {'triton' if engine.kernel_settings.triton else 'torch'}; "
         f"CUDA graphs: {graph_text}",
-        f"prefix caching: {'on' if engine.pool.cache is not None else 'off'}; "
-        f"structured outputs: {structured}",
-    ]
+        f"prefix caching: {'on' if engine.pool.cache is not None else 'off'}"
+        + (" (a hybrid target)" if engine.states is not None else "")
+        + f"; structured outputs: {structured}",
+    ] + ([_state_line(engine)] if engine.states is not None else [])
+
+
+def _state_line(engine) -> str:
+    """A hybrid target's recurrent-state pool (engine/state_pool.py)."""
+    states = engine.states
+    per = state_bytes(states.layers, engine.dtype)
+    rows = next(iter(states.layers[0].snapshots.values())).shape[0] if states.layers else 0
+    return (f"recurrent state: {len(states.layers)} layers, {states.num_slots} slots of "
+            f"{_bytes(per)} and {rows} snapshot rows ({_bytes(per * (states.num_slots + rows))})")

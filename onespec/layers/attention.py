@@ -39,6 +39,8 @@ class AttentionMetadata:
     tree_base: torch.Tensor | None = None   # [T]
     q_lens: tuple[int, ...] | None = None   # rows per request, where built from a host list
     packs: dict = field(default_factory=dict)   # triton: prefill row packs, by rows a pack
+    # hybrid targets: the step's recurrent-state slots (engine/state_pool.py RecurrentBatch)
+    recurrent: object | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:

@@ -28,10 +28,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # float8 loads only into the FP8 parameters of a declared FP8 checkpoint (quant/fp8.py)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # per-expert checkpoint keys (and their FP8 scales) -> stacked expert parameters
-# (models/moe.py Experts)
+# (models/moe.py Experts; experts without a gate stack up_proj alone)
 EXPERT_KEY = re.compile(
     r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)")
-STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale)?")
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|up_proj|down_proj)(_scale)?")
 
 
 class HFConfig(dict):
@@ -164,13 +164,14 @@ def _expert_target(params: dict, name: str):
     if m is None:
         return None
     prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    param_name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}" + \
+    ungated = f"{prefix}.up_proj" in params      # experts without a gate (up, act, down)
+    param_name = f"{prefix}.{proj if proj == 'down_proj' or ungated else 'gate_up_proj'}" + \
         ("_scale" if m.group(4) == "weight_scale" else "")
     param = params.get(param_name)
     if param is None or e >= param.shape[0]:
         return param_name, None
     dest = param.data[e]
-    if proj != "down_proj":
+    if proj != "down_proj" and not ungated:
         half = dest.shape[0] // 2
         dest = dest.narrow(0, 0 if proj == "gate_proj" else half, half)
     return param_name, dest
@@ -180,7 +181,8 @@ def _checkpoint_names(param_name: str, param: torch.Tensor | None = None) -> lis
     """The checkpoint keys that feed a parameter: '...qkv_proj.weight' <- q/k/v_proj."""
     m = STACKED_EXPERTS.fullmatch(param_name)
     if m is not None and param is not None:
-        projs = ("down_proj",) if m.group(2) == "down_proj" else ("gate_proj", "up_proj")
+        projs = {"down_proj": ("down_proj",), "up_proj": ("up_proj",)}.get(
+            m.group(2), ("gate_proj", "up_proj"))
         key = "weight_scale" if m.group(3) else "weight"
         return [f"{m.group(1)}.{e}.{p}.{key}" for e in range(param.shape[0]) for p in projs]
     parts = param_name.split(".")

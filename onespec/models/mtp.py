@@ -8,6 +8,11 @@ Layer i lives under `model.layers.{num_hidden_layers + i}.` (transformers drops 
 
 `embed_tokens` and `shared_head.head` are optional (the target's are used without them).
 
+Qwen3-Next / Qwen3.5 keep one MTP module under `mtp.`: `fc` (eh_proj), `pre_fc_norm_embedding`
+(enorm), `pre_fc_norm_hidden` (hnorm), `layers.{i}` (a full-attention decoder layer of the
+target, MoE where the target is), `norm` (shared_head.norm), with the same order and flow;
+the target names its layout (`mtp_rename`) and its norm kind (`make_norm`: zero-centred).
+
 Under tensor parallelism the MTP layers are sharded, not replicated as the EAGLE-3 head is:
 an MTP block is a whole decoder layer of the target (MLA and, in DeepSeek-V3, a full MoE
 layer of experts), so a replicated copy would cost every rank a whole layer's weights and
@@ -35,20 +40,23 @@ OWN_MODULES = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 
 
 class SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float, own_head: bool):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, own_head: bool,
+                 make_norm=None):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = make_norm() if make_norm else RMSNorm(hidden_size, eps)
         self.head = nn.Linear(hidden_size, vocab_size, bias=False) if own_head else None
 
 
 class MTPLayer(nn.Module):
     def __init__(self, block: nn.Module, hidden_size: int, vocab_size: int, eps: float,
-                 own_embed: bool = False, own_head: bool = False):
+                 own_embed: bool = False, own_head: bool = False, make_norm=None):
+        """make_norm: builds the family's norm (default: RMSNorm of hidden_size, eps)."""
         super().__init__()
-        self.enorm = RMSNorm(hidden_size, eps)
-        self.hnorm = RMSNorm(hidden_size, eps)
+        norm = make_norm or (lambda: RMSNorm(hidden_size, eps))
+        self.enorm = norm()
+        self.hnorm = norm()
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.shared_head = SharedHead(hidden_size, vocab_size, eps, own_head)
+        self.shared_head = SharedHead(hidden_size, vocab_size, eps, own_head, make_norm)
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size) if own_embed else None
         self.block = block
 
@@ -106,30 +114,35 @@ def load_mtp_head(path: str, target, num_layers: int, device, dtype,
     others per output channel, all but the vocabulary head."""
     cfg = target.config
     if not hasattr(target, "make_decoder_layer"):
-        raise ValueError(f"MTP drafting needs a target with MTP layers (DeepSeek-V3 family); "
-                         f"{cfg.architecture} has none")
+        raise ValueError(f"MTP drafting needs a target with MTP layers (DeepSeek-V3, "
+                         f"Qwen3-Next, Qwen3.5 families); {cfg.architecture} has none")
     available = cfg.num_nextn_predict_layers
     if num_layers > available:
         raise ValueError(f"the checkpoint has num_nextn_predict_layers={available} MTP layers; "
                          f"{num_layers} were asked for (MTP-Eagle needs 1, vanilla MTP one "
                          "per draft)")
-    rename = _mtp_rename(cfg.num_hidden_layers, num_layers)
+    if hasattr(target, "mtp_rename"):          # the family's own layout (one key -> names)
+        rename, where = target.mtp_rename(cfg.num_hidden_layers, num_layers), "mtp.*"
+    else:
+        one = _mtp_rename(cfg.num_hidden_layers, num_layers)
+        rename, where = (lambda raw: [n] if (n := one(raw)) is not None else []), \
+            f"model.layers.{cfg.num_hidden_layers}.*"
     declared = fp8.checkpoint_scheme(read_config(path), path)
     scheme = None if dummy else declared
     weights = ((n, t) for raw, t in iter_weights(path, "loading MTP layers")
-               if (n := rename(raw)) is not None)
+               for n in rename(raw))
     if parallel is not None:    # copied: no slice keeps a whole checkpoint tensor alive
         weights = ((n, t.clone()) for n, t in shard_weights(weights, cfg, parallel))
     weights = {} if dummy else dict(weights)
     if not dummy and not weights:
-        raise ValueError(f"checkpoint {path!r} holds no weights under model.layers."
-                         f"{cfg.num_hidden_layers}.* although its config.json declares "
-                         f"{available} MTP layers")
+        raise ValueError(f"checkpoint {path!r} holds no weights under {where} although "
+                         f"its config.json declares {available} MTP layers")
     with torch.device("meta"):
         layers = [MTPLayer(target.make_decoder_layer(cfg.num_hidden_layers + i),
                            cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps,
                            own_embed=f"layers.{i}.embed_tokens.weight" in weights,
-                           own_head=f"layers.{i}.shared_head.head.weight" in weights)
+                           own_head=f"layers.{i}.shared_head.head.weight" in weights,
+                           make_norm=getattr(target, "make_norm", None))
                   for i in range(num_layers)]
         if parallel is not None:
             for layer in layers:

@@ -19,7 +19,10 @@ from onespec.models.gpt_oss import GptOssForCausalLM
 from onespec.models.llama import ARCHITECTURES, LlamaForCausalLM
 from onespec.models.loader import (checked_file, checkpoint_keys, init_dummy_weights,
                                    iter_weights, load_weights, read_config)
+from onespec.models.nemotron_h import NemotronHForCausalLM
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
+from onespec.models.qwen3_next import ARCHITECTURES as HYBRID_ARCHITECTURES
+from onespec.models.qwen3_next import Qwen3NextForCausalLM
 from onespec.quant import fp8
 from onespec.quant.mxfp4 import dequantized_weights
 
@@ -30,6 +33,8 @@ TARGET_MODELS["GptOssForCausalLM"] = GptOssForCausalLM
 TARGET_MODELS["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
 TARGET_MODELS["Glm4MoeLiteForCausalLM"] = DeepseekV3ForCausalLM     # MLA + GLM's MoE
 TARGET_MODELS["DeepseekV32ForCausalLM"] = DeepseekV32ForCausalLM
+TARGET_MODELS.update({arch: Qwen3NextForCausalLM for arch in HYBRID_ARCHITECTURES})
+TARGET_MODELS["NemotronHForCausalLM"] = NemotronHForCausalLM
 
 
 def register_target(architecture: str, cls: type[nn.Module]):

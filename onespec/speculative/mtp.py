@@ -37,7 +37,9 @@ class MTPDrafter:
 
     @property
     def attention_layers(self):
-        return [layer.block.self_attn for layer in self.head.layers]
+        return [a for layer in self.head.layers
+                for a in (layer.block.attention_layers() if hasattr(layer.block,
+                          "attention_layers") else [layer.block.self_attn])]
 
     @property
     def draft_vocab_size(self) -> int:

@@ -66,6 +66,15 @@ class ChainShape:
         """A chain's verify is causal: no tree inputs."""
         return None
 
+    @staticmethod
+    def commit_states(states, rb, num_accepted: torch.Tensor):
+        """The one place per-position recurrent state is committed (hybrid targets,
+        engine/state_pool.py): a generation request's verify rows [t_last, d1..dK] left
+        the state after each row; with n tokens accepted the inputs t_last, d1..d(n-1)
+        are kept, so its slot takes the state after row n - 1, and the rejected drafts'
+        states are dropped. A prompt chunk keeps the state after its last row."""
+        states.commit(rb, num_accepted - 1)
+
 
 @dataclass(frozen=True)
 class TreeShape:

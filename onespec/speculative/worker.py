@@ -131,8 +131,9 @@ class SpecWorker:
 
     def __init__(self, target, drafter: Drafter | None = None,
                  acceptor: StrictAcceptor | None = None, generator=None,
-                 attn_backend: str = "torch", tree: TreeShape | None = None):
+                 attn_backend: str = "torch", tree: TreeShape | None = None, states=None):
         self.target, self.drafter = target, drafter
+        self.states = states                  # a hybrid target's StatePool (state_pool.py)
         self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
         self.shape = tree or ChainShape()     # runs the step: verify -> accept -> draft
         self.acceptor = acceptor or StrictAcceptor()
@@ -175,6 +176,9 @@ class SpecWorker:
         logprobs, prompt_logprobs = self.logprobs(inp, hidden, rows, acc)
         drafts, draft_probs = self._propose(inp, hidden, captured, acc.context_tokens,
                                             acc.accepted, acc.num_accepted)
+        # last: a step that raises before this leaves every recurrent state as it was
+        # (the engine may run it again in parts); the drafters keep no recurrent state
+        self.commit_states(inp, acc.num_accepted)
         return StepResults(acc.context_tokens, acc.accepted, acc.num_accepted, drafts,
                            draft_probs, acc.relaxed, logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs)
@@ -194,6 +198,12 @@ class SpecWorker:
             prompt = token_logprobs(self.target.compute_logits(hidden[pr.index]), pr.tokens,
                                     pr.num_top)
         return out, prompt
+
+    def commit_states(self, inp: StepInputs, num_accepted):
+        """Hybrid targets: each request's recurrent state at its accepted length
+        (ChainShape.commit_states)."""
+        if self.states is not None and inp.meta.recurrent is not None:
+            ChainShape.commit_states(self.states, inp.meta.recurrent, num_accepted)
 
     def verify_rows(self, inp: StepInputs, positions, meta):
         """The target over the step's rows: hidden [T, H] and the drafter's captured layers."""
@@ -221,6 +231,7 @@ class SpecWorker:
         0's forward. Returns (context tokens, accepted, accepted counts, DraftLoop | None)."""
         hidden, captured = self.verify_rows(inp, inp.positions, inp.meta)
         acc = self.acceptor.accept(self.verifier, inp, hidden[inp.logit_rows])
+        self.commit_states(inp, acc.num_accepted)
         loop = self.draft_begin(inp, hidden, captured, acc.context_tokens, acc.accepted,
                                 acc.num_accepted)
         return acc.context_tokens, acc.accepted, acc.num_accepted, loop

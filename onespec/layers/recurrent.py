@@ -1,0 +1,87 @@
+"""The recurrences of linear-attention layers, in portable PyTorch (any device, float32
+state), written so that a verify of K+1 rows can keep the state after every row.
+
+    causal_conv(x, state, weight)      depthwise causal conv1d over time with its last
+                                       W - 1 inputs as state, then SiLU
+    gated_delta_scan(q, k, v, g, beta) the gated delta rule (Qwen3-Next / Qwen3.5):
+        S <- S * exp(g_t)
+        S <- S + k_t (x) beta_t (v_t - S^T k_t)       (S [Dk, Dv] per value head)
+        o_t = S^T q_t
+      with q, k L2-normalised per head and q scaled by Dk^-1/2.
+    mamba2_scan(x, dt, A, B, C, D)     the Mamba2 selective scan (Nemotron-H):
+        S <- S * exp(dt_t A) + dt_t x_t (x) B_t        (S [P, N] per head)
+        y_t = S C_t + D x_t
+      B and C shared by the heads of a group.
+
+Both take a batch of B sequences of L rows with their initial states and return the
+outputs with either the final state or the state after each row ([B, L, ...]: the
+per-position snapshots a speculative verify commits from, engine/state_pool.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                keep_all: bool = False, bias: torch.Tensor | None = None):
+    """x [B, L, C], state [B, C, W-1] (the inputs before x), weight [C, W], bias [C] ->
+    (silu(conv) [B, L, C], the state after the last row [B, C, W-1], or after each row
+    [B, L, C, W-1] with keep_all)."""
+    length, width = x.shape[1], weight.shape[1]
+    seq = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)       # [B, C, W-1+L]
+    y = F.conv1d(seq.to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])
+    y = F.silu(y).to(x.dtype).transpose(1, 2)                              # [B, L, C]
+    if keep_all:       # after row j the state is inputs j+1 .. j+W-1 of seq
+        states = seq.unfold(-1, width - 1, 1)[:, :, 1:]                    # [B, C, L, W-1]
+        return y, states.permute(0, 2, 1, 3)
+    return y, seq[:, :, length:]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_scan(q, k, v, g, beta, state: torch.Tensor, keep_all: bool = False):
+    """q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g (log decay), beta [B, L, Hv], state
+    [B, Hv, Dk, Dv] float32 -> (o [B, L, Hv, Dv] in v's dtype, the final state, or the
+    state after each row [B, L, Hv, Dk, Dv] with keep_all)."""
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    s = state.float()
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        kv = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - kv) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+        if keep_all:
+            states.append(s)
+    o = torch.stack(outs, 1)
+    return o, torch.stack(states, 1) if keep_all else s
+
+
+def mamba2_scan(x, dt, A, B, C, D, state: torch.Tensor, keep_all: bool = False):
+    """x [B, L, H, P], dt [B, L, H] (after softplus and limits), A [H] (negative), B, C
+    [B, L, G, N], D [H], state [B, H, P, N] float32 -> (y [B, L, H, P] float32, the final
+    state, or the state after each row [B, L, H, P, N] with keep_all)."""
+    rep = x.shape[2] // B.shape[2]
+    B = B.float().repeat_interleave(rep, dim=2)
+    C = C.float().repeat_interleave(rep, dim=2)
+    x, dt = x.float(), dt.float()
+    s = state.float()
+    outs, states = [], []
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * A.float())                            # [B, H]
+        s = s * decay[..., None, None] + \
+            (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        outs.append(torch.einsum("bhpn,bhn->bhp", s, C[:, t]) + D.float()[:, None] * x[:, t])
+        if keep_all:
+            states.append(s)
+    y = torch.stack(outs, 1)
+    return y, torch.stack(states, 1) if keep_all else s

@@ -51,7 +51,7 @@ def test_help_lists_every_command_with_a_description():
     for name, summary in [("demo", "the bundled code model and its EAGLE-3 head"),
                           ("generate", "generate from one prompt"),
                           ("serve", "OpenAI-compatible HTTP server"),
-                          ("bench", "decode benchmark"), ("train", "train an EAGLE-3 draft head")]:
+                          ("bench", "decode benchmark"), ("train", "train an EAGLE-3 or P-EAGLE draft head")]:
         assert re.search(rf"^ +{name} +{re.escape(summary)}", proc.stdout, re.M), proc.stdout
     from onespec.cli import generate_parser
     text = " ".join(generate_parser().format_help().split())

@@ -5,6 +5,8 @@ state equal to the one plain decoding reaches at the same position; MTP drafts e
 cache-free reference; sampled speculation keeps the target's distribution."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -314,8 +316,13 @@ def test_rejection_sampling_keeps_distribution(tmp_path):
 
 def test_refused_combinations_and_config(models, eagle_heads, tmp_path, caplog):
     path, _, _ = models["qwen3-next"]
-    with caplog.at_level("INFO", logger="onespec.engine"):
-        assert llm_for(path).engine.pool.cache is None
+    logger = logging.getLogger("onespec.engine")
+    logger.addHandler(caplog.handler)          # (its parent may not propagate: serve)
+    try:
+        with caplog.at_level("INFO", logger="onespec.engine"):
+            assert llm_for(path).engine.pool.cache is None
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "prefix caching is off for Qwen3NextForCausalLM" in caplog.text
     with pytest.raises(UnsupportedCombination, match="a hybrid target"):
         llm_for(path, speculative_config=Eagle3Config(eagle_heads["qwen3-next"], max_draft_len=2,

@@ -35,7 +35,7 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, mamba2_scan
+from onespec.layers.recurrent import causal_conv, mamba2_chunked, mamba2_scan
 from onespec.models.llama import DecoderConfig, check_field_types
 from onespec.models.moe import Float32Router, Router
 
@@ -144,9 +144,13 @@ class NemotronHConfig(DecoderConfig):
 class Mamba2Mixer(nn.Module):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
 
-    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
-    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
+    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
+    # them in Triton's interpreter)
     verify_kernel: bool | None = None
+    # prompt chunks run the block-parallel form (layers/recurrent.py mamba2_chunked)
+    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
+    prefill_chunk: int = 64
 
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
@@ -198,7 +202,9 @@ class Mamba2Mixer(nn.Module):
             args = (xs.reshape(n, length, self.num_heads, self.head_dim),
                     dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
                     c.reshape(n, length, self.n_groups, -1), self.D)
-            if use_kernel:
+            if not keep_all and self.prefill_chunk:
+                out, ssm_s = mamba2_chunked(*args, init["ssm"], self.prefill_chunk)
+            elif use_kernel:
                 from onespec.kernels.recurrent import mamba2_verify
                 idx = torch.tensor(reqs, device=x.device)
                 out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],

@@ -39,7 +39,7 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, gated_delta_scan
+from onespec.layers.recurrent import causal_conv, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, DecoderConfig, check_field_types
 from onespec.models.moe import Experts, PagedCausalLM, Router
@@ -205,9 +205,13 @@ class GatedDeltaNet(nn.Module):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
 
-    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
-    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
+    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
+    # them in Triton's interpreter)
     verify_kernel: bool | None = None
+    # prompt chunks run the block-parallel form (layers/recurrent.py gated_delta_chunked)
+    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
+    prefill_chunk: int = 64
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
@@ -277,7 +281,9 @@ class GatedDeltaNet(nn.Module):
                     k.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     v.reshape(n, length, self.num_v_heads, self.head_v_dim),
                     g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
-            if use_kernel:
+            if not keep_all and self.prefill_chunk:
+                o, ssm_s = gated_delta_chunked(*args, init["ssm"], self.prefill_chunk)
+            elif use_kernel:
                 from onespec.kernels.recurrent import gated_delta_verify
                 idx = torch.tensor(reqs, device=x.device)
                 o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],

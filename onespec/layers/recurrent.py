@@ -16,6 +16,8 @@ state), written so that a verify of K+1 rows can keep the state after every row.
 Both take a batch of B sequences of L rows with their initial states and return the
 outputs with either the final state or the state after each row ([B, L, ...]: the
 per-position snapshots a speculative verify commits from, engine/state_pool.py).
+`gated_delta_chunked` and `mamba2_chunked` compute the final-state forms block by block
+(matmuls and one triangular solve per block instead of a step per row): prompt chunks.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full, make_eagle3_head
+from conftest import assert_pool_full, make_eagle3_head
 from hybrid_utils import add_mtp_weights, make_hybrid_model, make_nemotron_h_model
 from onespec import LLM, Eagle3Config, MTPConfig, NGramConfig, SamplingParams
 from onespec.engine.cuda_graph import fill_slots, graph_recurrent_batch

@@ -406,5 +406,5 @@ class CudaGraphRunner:
         b, k, _ = key
         lay = self._layout(b, k)
         torch.cuda.synchronize(self.device)
-        self.bufs[k]["dev"][lay.src_at:lay.size] = -1
+        self.bufs[k]["dev"][lay.src_at:lay.slots_at] = -1
         return self.graphs[key]

@@ -35,6 +35,7 @@ SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
 FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
 HYBRID = "a hybrid target (recurrent layers)"
+HOST_SYNCED_EXPERTS = "a target whose experts sync with the host (Nemotron-H's ungated experts)"
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ REFUSED = (
 RUNS_EAGERLY = {
     REJECTION: "q of every draft is sampled per request",
     TP: "a replay would have to be mirrored rank by rank",
-    HYBRID: "the recurrent layers' steps are not captured yet",
+    HOST_SYNCED_EXPERTS: "its experts' rows are picked on the host",
 }
 
 
@@ -107,14 +108,18 @@ def spec_features(sc) -> set[str]:
 
 
 def engine_features(engine_config, target_cls=None, sliding_window=None,
-                    fp8_checkpoint: bool = False, recurrent: bool = False) -> set[str]:
+                    fp8_checkpoint: bool = False, recurrent: bool = False,
+                    host_synced_experts: bool = False) -> set[str]:
     """The features of the engine's options and of the target (its class, its window,
-    whether its checkpoint is FP8, whether it has recurrent layers)."""
+    whether its checkpoint is FP8, whether it has recurrent layers, whether its experts
+    sync with the host)."""
     on = set()
     if getattr(engine_config, "quantization", None) is not None or fp8_checkpoint:
         on.add(FP8_WEIGHTS)
     if recurrent or getattr(target_cls, "recurrent", False):
         on.add(HYBRID)
+    if host_synced_experts:
+        on.add(HOST_SYNCED_EXPERTS)
     if engine_config.tensor_parallel_size > 1:
         on.add(TP)
     if sliding_window is not None:

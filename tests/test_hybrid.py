@@ -74,7 +74,8 @@ def test_greedy_matches_transformers(models, arch, mode):
     if mode == "preemption":
         assert llm.stats()["num_preemptions"] > 0
     assert llm.engine.pool.cache is None          # prefix caching is off for hybrids
-    assert not llm.engine.uses_cuda_graphs
+    # generation steps replay CUDA graphs on a GPU but Nemotron-H's (host-synced experts)
+    assert llm.engine.uses_cuda_graphs == (TEST_DEVICE == "cuda" and arch != "nemotron-h")
     assert_states_free(llm)
 
 

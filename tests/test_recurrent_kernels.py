@@ -79,6 +79,7 @@ def test_engine_verify_through_kernels(tmp_path, monkeypatch, arch):
     plain = LLM(str(tmp_path), dtype="float32", device=DEV).generate(prompts, sp)
     for cls in (GatedDeltaNet, Mamba2Mixer):
         monkeypatch.setattr(cls, "verify_kernel", True)
+        monkeypatch.setattr(cls, "prefill_chunk", 0)    # prompt chunks through the launch too
     llm = LLM(str(tmp_path), dtype="float32", device=DEV, max_num_tokens=5,
               speculative_config=NGramConfig(max_draft_len=2))
     outs = llm.generate(prompts, sp)

@@ -10,18 +10,27 @@ A step is launched (inputs copied in, graph replayed, results copied out, an eve
 recorded) and collected later, so the overlap scheduler (engine.py) can launch the next
 step, its inputs chained from this one's results on the device (kernels/chain.py; a tree's
 nodes and parents too), before this one is read.
+
+Hybrid targets (engine/state_pool.py): the requests' recurrent-state slots are one more
+input (InputLayout.slots; padding requests take the pool's scratch slot and start from
+zeros), each verify row's state goes to the snapshot rows of its place in the bucket (fixed
+by the bucket), and the commit of the accepted row is an index copy inside the graph. A
+chained step runs the previous step's requests in the same order, so its slots are the
+same ones, written again by the host, and the state it reads is the one the previous
+replay committed: nothing more to chain.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from onespec.engine.scheduler import ScheduledBatch
+from onespec.engine.state_pool import RecurrentBatch
 from onespec.layers.attention import build_attention_metadata
 from onespec.layers.sampler import GreedySampling
 from onespec.speculative.shape import InputLayout
@@ -47,6 +56,25 @@ class PendingStep:
     batch: ScheduledBatch
     bucket: int
     slot: int            # which pinned input/output pair it uses
+
+
+def fill_slots(slots, reqs, scratch: int):
+    """Writes the requests' recurrent-state slots into a bucket's slots input (a numpy
+    view), the scratch slot for the padding past them."""
+    slots.fill(scratch)
+    for i, req in enumerate(reqs):
+        if req.state_slot is None:
+            raise RuntimeError(f"request {req.request_id} holds no recurrent state slot")
+        slots[i] = req.state_slot
+
+
+def graph_recurrent_batch(slots: torch.Tensor, rows: int, scratch: int) -> RecurrentBatch:
+    """A bucket's RecurrentBatch over its slots input [b] (a view of the device input
+    buffer): b generation requests of `rows` rows each, the padding ones (the scratch slot)
+    starting from zeros. Built from device tensors only: the graph captures it."""
+    b = slots.shape[0]
+    return RecurrentBatch(slots=slots, fresh=slots == scratch, q_lens=[rows] * b, num_ctx=0,
+                          gen_rows=rows)
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -75,6 +103,7 @@ class CudaGraphRunner:
         self.num_chained = 0        # replays whose inputs came from the step before (overlap)
         self.greedy = GreedySampling(device)
         self.shape = worker.shape      # inputs, results, tree inputs of a step
+        self.states = worker.states    # a hybrid target's recurrent-state pool, or None
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.context and 0 < len(batch.generation) <= self.buckets[-1]
@@ -108,7 +137,8 @@ class CudaGraphRunner:
 
     def _layout(self, b: int, k: int) -> InputLayout:
         """Bucket b's inputs in the flat buffers (the shape's InputLayout)."""
-        return self.shape.input_layout(b, k, self.width)
+        lay = self.shape.input_layout(b, k, self.width)
+        return replace(lay, has_slots=True) if self.states is not None else lay
 
     def _results_size(self, b: int, k: int) -> int:
         """Length of a step's results for bucket b (the shape's ResultsLayout)."""
@@ -139,6 +169,8 @@ class CudaGraphRunner:
         every = torch.arange(b, device=self.device)
         # a tree step's: as ModelRunner's, from the parents on the device
         tree = self.shape.tree_inputs(k, v["parents"], v["pos"][:, 0], meta, every)
+        if self.states is not None:
+            meta.recurrent = graph_recurrent_batch(v["slots"], r, self.states.scratch_slot)
         return StepInputs(
             input_ids=ids, positions=pos, meta=meta, block_tables=tables, num_ctx=0,
             num_gen=b, k=k, logit_rows=torch.arange(rows, device=self.device),
@@ -166,6 +198,8 @@ class CudaGraphRunner:
         tables.fill(self.scratch_block)
         src.fill(-1)
         pos[:] = np.arange(lay.rows)
+        if lay.has_slots:     # (a chained step's: the same requests, the same slots)
+            fill_slots(v["slots"], reqs, self.states.scratch_slot)
         for i, req in enumerate(reqs):
             pos[i] += req.num_computed
             tables[i, :len(req.block_table)] = req.block_table
@@ -372,5 +406,5 @@ class CudaGraphRunner:
         b, k, _ = key
         lay = self._layout(b, k)
         torch.cuda.synchronize(self.device)
-        self.bufs[k]["dev"][lay.src_at:lay.size] = -1
+        self.bufs[k]["dev"][lay.src_at:lay.slots_at] = -1
         return self.graphs[key]

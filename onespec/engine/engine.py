@@ -110,8 +110,9 @@ class Engine:
         worker, drafter, k = parts.worker, parts.drafter, parts.max_draft_len
         self.acceptor = worker.acceptor         # the acceptance rule, for the engine's life
         mcfg = self.model.config
-        self.features |= engine_features(config, sliding_window=target_window(mcfg),
-                                         recurrent=parts.states is not None)
+        self.features |= engine_features(
+            config, sliding_window=target_window(mcfg), recurrent=parts.states is not None,
+            host_synced_experts=getattr(self.model, "host_synced_experts", False))
         self.tokenizer = load_tokenizer(config.model)
         # a model drafter runs in the step; host drafts (the suffix-automaton enhancer, the
         # n-gram drafter) are set in _finish_step

@@ -180,7 +180,7 @@ class _Builder:
         """Bytes of a hybrid target's state pool: a slot per request of the batch and a
         snapshot row per verify row (state_pool.py)."""
         per = state_bytes(model.recurrent_layers(), self.dtype)
-        return per * self.config.max_batch_size * (1 + verify_rows)
+        return per * (self.config.max_batch_size * (1 + verify_rows) + 1)   # + scratch slot
 
     def state_pool(self, model, verify_rows: int) -> StatePool:
         """The recurrent-state pool: max_batch_size slots, and snapshot rows for a step

@@ -15,7 +15,13 @@ moving `num_computed` as paged KV can. So:
   and a step that raises before its commit leaves every slot as it was.
 
 Each layer holds `states[name]` [slots, ...] and `snapshots[name]` [rows, ...] for the
-names and shapes its `state_shapes(dtype)` gives; the pool hands out slot ids.
+names and shapes its `state_shapes(dtype)` gives; the pool hands out slot ids. One more
+slot (`scratch_slot`) is never handed out: a CUDA-graph step's padding requests read and
+commit it (engine/cuda_graph.py), as their KV goes to a scratch block.
+
+Nothing here syncs with the host once a RecurrentBatch is built: its slots are a device
+tensor (a graph's input buffer, written before each replay), its segments fixed by the
+batch's shape, and the commit an index copy on the device.
 """
 from __future__ import annotations
 
@@ -69,9 +75,15 @@ class RecurrentBatch:
             yield slice(start, start + b * rows), list(range(self.num_ctx, self.num_ctx + b)), \
                 snaps, True
 
+    @staticmethod
+    def select(reqs: list[int]) -> slice:
+        """The batch positions of a segment's requests (consecutive) as a slice: indexing
+        with it copies nothing from the host (a CUDA graph captures it)."""
+        return slice(reqs[0], reqs[-1] + 1)
+
     def initial(self, states: dict[str, torch.Tensor], reqs: list[int]) -> dict:
         """The requests' states before this step: their slots', zeros where fresh."""
-        idx = torch.tensor(reqs, device=self.slots.device)
+        idx = self.select(reqs)
         slots, fresh = self.slots[idx], self.fresh[idx]
         out = {}
         for name, pool in states.items():
@@ -97,16 +109,18 @@ class RecurrentBatch:
 
 
 class StatePool:
-    """Slots of recurrent state for `num_slots` requests, and `num_snapshots` scratch rows
-    (a step's prompt chunks plus its generation requests' K+1 rows)."""
+    """Slots of recurrent state for `num_slots` requests (plus the scratch slot), and
+    `num_snapshots` scratch rows (a step's prompt chunks plus its generation requests' K+1
+    rows)."""
 
     def __init__(self, layers, num_slots: int, num_snapshots: int, dtype: torch.dtype,
                  device):
         self.layers = list(layers)
         self.num_slots = num_slots
+        self.scratch_slot = num_slots        # padding requests' (never handed out)
         for layer in self.layers:
             shapes = layer.state_shapes(dtype)
-            layer.states = {n: torch.zeros(num_slots, *s, dtype=dt, device=device)
+            layer.states = {n: torch.zeros(num_slots + 1, *s, dtype=dt, device=device)
                             for n, (s, dt) in shapes.items()}
             layer.snapshots = {n: torch.zeros(num_snapshots, *s, dtype=dt, device=device)
                                for n, (s, dt) in shapes.items()}
@@ -139,7 +153,8 @@ class StatePool:
 
     def commit(self, rb: RecurrentBatch, gen_offsets: torch.Tensor):
         """Copies each request's chosen snapshot (RecurrentBatch.snapshot_rows) into its
-        slot, for every layer and state."""
+        slot, for every layer and state: index copies on the device, gen_offsets a device
+        tensor (the accepted counts less one), so a graph captures it."""
         src = rb.snapshot_rows(gen_offsets)
         for layer in self.layers:
             for name, pool in layer.states.items():

@@ -16,6 +16,8 @@ state), written so that a verify of K+1 rows can keep the state after every row.
 Both take a batch of B sequences of L rows with their initial states and return the
 outputs with either the final state or the state after each row ([B, L, ...]: the
 per-position snapshots a speculative verify commits from, engine/state_pool.py).
+`gated_delta_chunked` and `mamba2_chunked` compute the final-state forms block by block
+(matmuls and one triangular solve per block instead of a step per row): prompt chunks.
 """
 from __future__ import annotations
 
@@ -85,3 +87,78 @@ def mamba2_scan(x, dt, A, B, C, D, state: torch.Tensor, keep_all: bool = False):
             states.append(s)
     y = torch.stack(outs, 1)
     return y, torch.stack(states, 1) if keep_all else s
+
+
+# ---- chunked (block-parallel) forms for prompt chunks -------------------------------------
+#
+# Within a block of n rows, with G_t the cumulative log decay from the block's start
+# (G_t = g_1 + ... + g_t, resp. dt_1 A + ... + dt_t A) and S_0 the state entering it, every
+# state is S_t = e^{G_t} S_0 + sum_{i<=t} e^{G_t - G_i} (row i's update), so a block costs
+# a few [n, n] and [n, D] matmuls instead of n dependent steps. Blocks run in order,
+# carrying the state. Same formulas as the token loops, so they agree to float32 rounding.
+
+
+def _decay_matrix(cum: torch.Tensor) -> torch.Tensor:
+    """cum [..., n] cumulative log decay -> [..., n, n] with e^{G_t - G_i} for i <= t, 0
+    above the diagonal (masked before the exp, which would overflow there)."""
+    n = cum.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=cum.device).tril()
+    diff = cum[..., :, None] - cum[..., None, :]
+    return torch.where(lower, diff, float("-inf")).exp()
+
+
+def gated_delta_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64):
+    """gated_delta_scan's final-state form, block by block (the WY / UT form): in a block,
+    the rows' corrections u_t = beta_t (v_t - e^{G_t} S_0^T k_t - sum_{i<t} e^{G_t - G_i}
+    (k_t . k_i) u_i) are one unit lower-triangular solve, then
+        o_t = e^{G_t} S_0^T q_t + sum_{i<=t} e^{G_t - G_i} (q_t . k_i) u_i
+        S_n = e^{G_n} S_0 + sum_i e^{G_n - G_i} k_i u_i^T.
+    Shapes as gated_delta_scan's -> (o [B, L, Hv, Dv] float32, state [B, Hv, Dk, Dv])."""
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q = (l2norm(q.float()) * q.shape[-1] ** -0.5).transpose(1, 2)        # [B, H, L, Dk]
+    k = l2norm(k.float()).transpose(1, 2)
+    v = v.float().transpose(1, 2)                                          # [B, H, L, Dv]
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)      # [B, H, L]
+    s = state.float()
+    outs = []
+    for c in range(0, q.shape[2], chunk):
+        qc, kc, vc = q[:, :, c:c + chunk], k[:, :, c:c + chunk], v[:, :, c:c + chunk]
+        bc, cum = beta[..., c:c + chunk], g[..., c:c + chunk].cumsum(-1)
+        decay = _decay_matrix(cum)                                         # [B, H, n, n]
+        gamma = cum.exp()[..., None]                                       # [B, H, n, 1]
+        a = (decay * (kc @ kc.transpose(-1, -2))).tril(-1) * bc[..., None]
+        rhs = bc[..., None] * (vc - gamma * (kc @ s))
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        outs.append(gamma * (qc @ s) + (decay * (qc @ kc.transpose(-1, -2))) @ u)
+        tail = (cum[..., -1:] - cum).exp()[..., None]                      # e^{G_n - G_i}
+        s = gamma[..., -1:, :] * s + (kc * tail).transpose(-1, -2) @ u
+    return torch.cat(outs, 2).transpose(1, 2), s
+
+
+def mamba2_chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64):
+    """mamba2_scan's final-state form, block by block (the SSD chunked scan):
+        y_t = e^{G_t} S_0 C_t + sum_{i<=t} e^{G_t - G_i} dt_i (C_t . B_i) x_i + D x_t
+        S_n = e^{G_n} S_0 + sum_i e^{G_n - G_i} dt_i x_i B_i^T.
+    Shapes as mamba2_scan's -> (y [B, L, H, P] float32, state [B, H, P, N])."""
+    rep = x.shape[2] // B.shape[2]
+    B = B.float().repeat_interleave(rep, dim=2).transpose(1, 2)            # [B, H, L, N]
+    C = C.float().repeat_interleave(rep, dim=2).transpose(1, 2)
+    x = x.float().transpose(1, 2)                                          # [B, H, L, P]
+    dt = dt.float().transpose(1, 2)                                        # [B, H, L]
+    log_a = dt * A.float()[:, None]
+    s = state.float()                                                      # [B, H, P, N]
+    outs = []
+    for c in range(0, x.shape[2], chunk):
+        xc, bc, cc, dtc = x[:, :, c:c + chunk], B[:, :, c:c + chunk], C[:, :, c:c + chunk], \
+            dt[..., c:c + chunk]
+        cum = log_a[..., c:c + chunk].cumsum(-1)
+        gamma = cum.exp()[..., None]                                       # [B, H, n, 1]
+        w = _decay_matrix(cum) * (cc @ bc.transpose(-1, -2)) * dtc[..., None, :]
+        outs.append(gamma * (cc @ s.transpose(-1, -2)) + w @ xc)
+        tail = ((cum[..., -1:] - cum).exp() * dtc)[..., None]              # [B, H, n, 1]
+        s = gamma[..., -1:, :] * s + (xc * tail).transpose(-1, -2) @ bc
+    y = torch.cat(outs, 2).transpose(1, 2)
+    return y + D.float()[:, None] * x.transpose(1, 2), s

@@ -22,7 +22,10 @@ models/mtp.py's MTPLayer with the blocks as its block (NemotronMTPBlock).
 Checkpoints name the stack `backbone.` (`embeddings`, `layers.{i}.norm`, `layers.{i}.mixer`,
 `norm_f`); here it is `model.` with `embed_tokens` and `norm`, as the drafters expect. The
 recurrent state lives in the state pool as for models/qwen3_next.py (same RecurrentBatch
-protocol); the portable PyTorch path only.
+protocol). The attention and the mixers' linears compute through the backend's ops (on the
+Triton backend its paged attention and decode GEMVs). The ungated experts run in PyTorch,
+one expert at a time over the rows routed to it, which the host picks: a model with MoE
+blocks runs its steps eagerly (`host_synced_experts`, combinations.py RUNS_EAGERLY).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, mamba2_scan
+from onespec.layers.recurrent import causal_conv, mamba2_chunked, mamba2_scan
 from onespec.models.llama import DecoderConfig, check_field_types
 from onespec.models.moe import Float32Router, Router
 
@@ -144,12 +147,17 @@ class NemotronHConfig(DecoderConfig):
 class Mamba2Mixer(nn.Module):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
 
-    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
-    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
+    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
+    # them in Triton's interpreter)
     verify_kernel: bool | None = None
+    # prompt chunks run the block-parallel form (layers/recurrent.py mamba2_chunked)
+    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
+    prefill_chunk: int = 64
 
-    def __init__(self, cfg: NemotronHConfig):
+    def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
         self.n_groups, self.state_size = cfg.n_groups, cfg.ssm_state_size
         self.inner = self.num_heads * self.head_dim
@@ -182,7 +190,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x, meta: AttentionMetadata):
         rb = meta.recurrent
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = self.ops.linear(self.in_proj, x).split(
+            [self.inner, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -self.A_log.float().exp()
         weight = self.conv1d.weight.squeeze(1)
@@ -198,16 +207,18 @@ class Mamba2Mixer(nn.Module):
             args = (xs.reshape(n, length, self.num_heads, self.head_dim),
                     dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
                     c.reshape(n, length, self.n_groups, -1), self.D)
-            if use_kernel:
+            if not keep_all and self.prefill_chunk:
+                out, ssm_s = mamba2_chunked(*args, init["ssm"], self.prefill_chunk)
+            elif use_kernel:
                 from onespec.kernels.recurrent import mamba2_verify
-                idx = torch.tensor(reqs, device=x.device)
+                idx = rb.select(reqs)
                 out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],
                                            rb.fresh[idx], keep_all)
             else:
                 out, ssm_s = mamba2_scan(*args, init["ssm"], keep_all)
             y[rows] = out.reshape(-1, self.inner)
             rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
-        return self.out_proj(self.gated_norm(y, z).to(x.dtype))
+        return self.ops.linear(self.out_proj, self.gated_norm(y, z).to(x.dtype))
 
 
 class NoPEAttention(nn.Module):
@@ -229,12 +240,12 @@ class NoPEAttention(nn.Module):
         self.ops = ops
 
     def forward(self, x, meta: AttentionMetadata):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, lin = x.shape[0], self.ops.linear
+        q = lin(self.q_proj, x).view(t, self.num_heads, self.head_dim)
+        k = lin(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)
+        v = lin(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
         out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return lin(self.o_proj, out.reshape(t, self.q_size))
 
 
 class ReluSquaredMLP(nn.Module):
@@ -304,7 +315,7 @@ class NemotronHBlock(nn.Module):
         super().__init__()
         self.block_type = block_type or cfg.layer_types[layer_idx]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mixer = {"linear_attention": lambda: Mamba2Mixer(cfg),
+        self.mixer = {"linear_attention": lambda: Mamba2Mixer(cfg, ops),
                       "full_attention": lambda: NoPEAttention(cfg, ops),
                       "moe": lambda: NemotronMoE(cfg),
                       "mlp": lambda: ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size,
@@ -348,13 +359,17 @@ class NemotronHForCausalLM(nn.Module):
     the residual streams after the `capture` blocks [T, len·H] or None)."""
 
     config_class = NemotronHConfig
-    supports_triton = False
+    supports_triton = True     # attention and linears through TritonOps (module docstring)
     triton_tree_masks = False
     recurrent = True
 
     def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.config, self.ops = cfg, ops
+        # MoE blocks (the target's or its MTP step's): the ungated experts' rows are picked
+        # on the host, so the steps run eagerly (combinations.py RUNS_EAGERLY)
+        self.host_synced_experts = "moe" in cfg.layer_types or (
+            cfg.num_nextn_predict_layers > 0 and "moe" in cfg.mtp_layers_block_type)
         self.model = NemotronHStack(cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -26,7 +26,10 @@ Qwen3.5-MoE: every layer).
 The recurrent states live in the state pool (engine/state_pool.py), one slot per request;
 a forward reads them and writes snapshots through the step's RecurrentBatch
 (`meta.recurrent`), and the step commits a snapshot per request (speculative/shape.py).
-These classes run the portable PyTorch path (supports_triton = False).
+The attention layers and the linears of both layer kinds compute through the backend's ops
+(layers/ops.py): on the Triton backend the paged attention and the decode GEMVs are its
+kernels, the norms and gates PyTorch, the recurrences kernels/recurrent.py's; nothing in a
+generation step syncs with the host, so it is captured in CUDA graphs (engine/cuda_graph.py).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, gated_delta_scan
+from onespec.layers.recurrent import causal_conv, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, DecoderConfig, check_field_types
 from onespec.models.moe import Experts, PagedCausalLM, Router
@@ -187,30 +190,35 @@ class GatedAttention(nn.Module):
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
         """x [T, H] (normed) -> o_proj(attention * sigmoid(gate)) [T, H]; writes this
         step's keys and values to the cache."""
-        t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        t, lin = x.shape[0], self.ops.linear
+        q, gate = lin(self.q_proj, x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, -1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(lin(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim))
+        v = lin(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
         r = self.rotary_dim
         q_rot, k_rot = rotary(positions, q[..., :r], k[..., :r])
         q = torch.cat([q_rot, q[..., r:]], -1)
         k = torch.cat([k_rot, k[..., r:]], -1)
         out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         out = out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size))
-        return self.o_proj(out)
+        return lin(self.o_proj, out)
 
 
 class GatedDeltaNet(nn.Module):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
 
-    # the recurrence through kernels/recurrent.py's Triton launches (prompt chunks and
-    # verify rows): None = on CUDA (tests set True to run them in Triton's interpreter)
+    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
+    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
+    # them in Triton's interpreter)
     verify_kernel: bool | None = None
+    # prompt chunks run the block-parallel form (layers/recurrent.py gated_delta_chunked)
+    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
+    prefill_chunk: int = 64
 
-    def __init__(self, cfg: HybridConfig):
+    def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
@@ -243,15 +251,15 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x):
         """x [T, H] -> (q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
-        t = x.shape[0]
+        t, lin = x.shape[0], self.ops.linear
         if not self.packed:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.num_v_heads, -1),
-                    self.in_proj_b(x), self.in_proj_a(x))
+            return (lin(self.in_proj_qkv, x), lin(self.in_proj_z, x).view(t, self.num_v_heads, -1),
+                    lin(self.in_proj_b, x), lin(self.in_proj_a, x))
         hk, rep, dk, dv = self.num_k_heads, self.num_v_heads // self.num_k_heads, \
             self.head_k_dim, self.head_v_dim
-        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * rep * dv)
+        qkvz = lin(self.in_proj_qkvz, x).view(t, hk, 2 * dk + 2 * rep * dv)
         q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * rep).split([rep, rep], dim=-1)
+        b, a = lin(self.in_proj_ba, x).view(t, hk, 2 * rep).split([rep, rep], dim=-1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
         return (qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1),
                 a.reshape(t, -1))
@@ -277,9 +285,11 @@ class GatedDeltaNet(nn.Module):
                     k.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     v.reshape(n, length, self.num_v_heads, self.head_v_dim),
                     g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
-            if use_kernel:
+            if not keep_all and self.prefill_chunk:
+                o, ssm_s = gated_delta_chunked(*args, init["ssm"], self.prefill_chunk)
+            elif use_kernel:
                 from onespec.kernels.recurrent import gated_delta_verify
-                idx = torch.tensor(reqs, device=x.device)
+                idx = rb.select(reqs)
                 o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],
                                               rb.fresh[idx], keep_all)
             else:
@@ -287,7 +297,7 @@ class GatedDeltaNet(nn.Module):
             core[rows] = o.reshape(-1, self.num_v_heads, self.head_v_dim).to(x.dtype)
             rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         out = self.norm(core, z).reshape(x.shape[0], self.value_dim)
-        return self.out_proj(out)
+        return self.ops.linear(self.out_proj, out)
 
 
 class SharedExpertMoe(nn.Module):
@@ -314,7 +324,7 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type or cfg.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, ops)
         else:
             self.self_attn = GatedAttention(cfg, ops)
         self.mlp = SharedExpertMoe(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
@@ -341,7 +351,7 @@ class Qwen3NextForCausalLM(PagedCausalLM):
     step's recurrent-state slots."""
 
     config_class = HybridConfig
-    supports_triton = False
+    supports_triton = True     # attention and linears through TritonOps (module docstring)
     triton_tree_masks = False
     recurrent = True          # has recurrent layers: a state pool beside the KV pool
 

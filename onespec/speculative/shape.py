@@ -163,12 +163,15 @@ class InputLayout:
     """A graph step's inputs for a bucket of b requests as one flat int64 buffer:
     input ids [b, R] | positions [b, R] | drafts [b, D] | parents [b, D] (trees only) |
     block tables [b, width] | chain sources [b] (kernels/chain.py: the previous step's row
-    a request continues, or -1). R verify rows, D drafts a request."""
+    a request continues, or -1) | recurrent-state slots [b] (hybrid targets only,
+    engine/state_pool.py; a chained step's are its predecessor's, request for request).
+    R verify rows, D drafts a request."""
     b: int
     rows: int
     num_drafts: int
     has_parents: bool
     width: int
+    has_slots: bool = False
 
     @property
     def pos_at(self) -> int:
@@ -191,12 +194,17 @@ class InputLayout:
         return self.tables_at + self.b * self.width
 
     @property
-    def size(self) -> int:
+    def slots_at(self) -> int:
         return self.src_at + self.b
+
+    @property
+    def size(self) -> int:
+        return self.slots_at + (self.b if self.has_slots else 0)
 
     def views(self, buf) -> dict:
         """ids, pos [b, R], drafts and parents [b, D] (parents None for a chain), tables
-        [b, width], src [b]: views of a buffer (a tensor or a numpy array) in this layout."""
+        [b, width], src [b], slots [b] (None without): views of a buffer (a tensor or a
+        numpy array) in this layout."""
         b = self.b
         return dict(ids=buf[:self.pos_at].reshape(b, self.rows),
                     pos=buf[self.pos_at:self.drafts_at].reshape(b, self.rows),
@@ -204,7 +212,8 @@ class InputLayout:
                     parents=buf[self.parents_at:self.tables_at].reshape(b, self.num_drafts)
                     if self.has_parents else None,
                     tables=buf[self.tables_at:self.src_at].reshape(b, self.width),
-                    src=buf[self.src_at:self.size])
+                    src=buf[self.src_at:self.slots_at],
+                    slots=buf[self.slots_at:self.size] if self.has_slots else None)
 
 
 @dataclass(frozen=True)

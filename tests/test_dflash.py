@@ -169,25 +169,25 @@ def reference_drafts(hf, w, tokens: list[int], k: int):
     return top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
 
 
-@pytest.mark.parametrize("k", [3, BLOCK - 1])
-def test_drafts_match_cache_free_reference(pair, k):
+def test_drafts_match_cache_free_reference(pair):
     """Batched, with prompt chunks (max_num_tokens 10) and a prefix-cache hit on the
-    second run: the drafter's context keys in cached blocks are what its own would be."""
+    second run (the drafter's context keys in cached blocks are what its own would be),
+    K = 5 of the block's 7 drafts."""
     target, hf, head, _ = pair
+    k = 5
     w = load_file(os.path.join(head, "model.safetensors"))
     llm = dflash_llm(target, head, k, device="cpu", max_num_tokens=10, block_size=4)
     assert llm.engine.drafter.capture_layers == tuple(TARGET_LAYERS)
     ref = lambda ids: reference_drafts(hf, w, ids, k)  # noqa: E731
     assert_drafts_match_reference(llm, PROMPTS[:4], GREEDY, ref, k)
-    if k == 3:
-        base = PROMPTS[4]
-        assert_drafts_match_reference(llm, [base, base[:13] + [9]], GREEDY, ref, k)
-        assert llm.stats()["num_cached_tokens"] >= 12
+    base = PROMPTS[4]
+    assert_drafts_match_reference(llm, [base, base[:13] + [9]], GREEDY, ref, k)
+    assert llm.stats()["num_cached_tokens"] >= 12
 
 
 # ---- sampled output keeps the target's distribution --------------------------------------
 
-SMALL_VOCAB, SAMPLE_PROMPT, NUM_SAMPLES = 8, [3, 7, 1, 6, 5], 3000
+SMALL_VOCAB, SAMPLE_PROMPT, NUM_SAMPLES = 6, [3, 1, 4, 1, 5], 2000
 
 
 def test_rejection_sampling_keeps_target_distribution(tmp_path):
@@ -250,13 +250,17 @@ def test_dictionary_form_and_refusals(pair, tmp_path):
     (dict(dflash_config={"mask_token_id": 3, "attention_mode": "mla"}),
      "attention_mode='mla' is not supported"),
     (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
-    (dict(architectures=["DSparkDraftModel"]), "architectures must hold 'DFlashDraftModel'"),
-], ids=["block", "no-mask", "layer-ids", "mask-range", "mla", "sliding", "arch"])
+    (dict(architectures=["Qwen3ForCausalLM"]), "architectures must hold 'DFlashDraftModel'"),
+    (dict(model_type="dspark", markov_rank=8), "DSpark drafters"),
+], ids=["block", "no-mask", "layer-ids", "mask-range", "mla", "sliding", "arch", "dspark"])
 def test_bad_checkpoints_are_refused(pair, tmp_path, change, message):
-    target = pair[0]
+    from onespec.models.dflash import load_dflash_head
+    from onespec.models.llama import DecoderConfig
+    from onespec.models.loader import read_config
+    target = DecoderConfig.from_hf(read_config(pair[0]))
     head = write_dflash_checkpoint(tmp_path / "h", **change)
     with pytest.raises(ValueError, match=message):
-        dflash_llm(target, head, 2, device="cpu")
+        load_dflash_head(head, target, "cpu", torch.float32)
 
 
 def test_default_target_layers_and_own_lm_head(pair, tmp_path):

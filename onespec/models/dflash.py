@@ -28,8 +28,10 @@ from onespec.models.llama import MLP, Attention, DecoderConfig
 from onespec.models.loader import init_dummy_weights, iter_weights, load_weights, read_config
 
 ARCHITECTURE = "DFlashDraftModel"
-# dflash_config entries this loader reads; any other key with a non-default value is refused
-_KNOWN_KEYS = {"mask_token_id", "target_layer_ids"}
+# DSpark's heads on a DFlash backbone (docs/DECODING.md says what is not known of them)
+DSPARK_FIELDS = ("markov_rank", "enable_confidence_head")
+DSPARK_WEIGHTS = ("markov_head.", "confidence_head.", "logit_head.")
+# dflash_config entries of variants: only these values are run
 _DEFAULTS = {"attention_mode": ("gqa", "mha"), "projector_type": (None,),
              "pure_draft_prefix_len": (0, None), "shift_label": (False, None)}
 
@@ -45,6 +47,12 @@ class DFlashHeadConfig:
     def from_hf(cls, cfg: dict) -> "DFlashHeadConfig":
         source = getattr(cfg, "source", "the DFlash drafter's config.json")
         archs = cfg.get("architectures") or []
+        if cfg.get("model_type") == "dspark" or cfg.get("dspark_config") is not None or \
+                any(cfg.get(k) for k in DSPARK_FIELDS) or "DSparkDraftModel" in archs:
+            raise ValueError(f"{source}: DSpark drafters (a DFlash backbone with Markov and "
+                             "confidence heads: model_type 'dspark', dspark_config, "
+                             f"{', '.join(DSPARK_FIELDS)}) are not supported; plain DFlash "
+                             f"drafters ({ARCHITECTURE!r}) are")
         if ARCHITECTURE not in archs:
             raise ValueError(f"{source}: not a DFlash drafter: architectures must hold "
                              f"{ARCHITECTURE!r}, got {archs!r}")
@@ -198,6 +206,10 @@ def load_dflash_head(path: str, target: DecoderConfig, device, dtype, dummy: boo
         weights = dict(iter_weights(path, desc="loading DFlash drafter"))
         if weights and all(k.startswith("model.") for k in weights):
             weights = {k[len("model."):]: v for k, v in weights.items()}
+        dspark = sorted(k for k in weights if k.startswith(DSPARK_WEIGHTS))
+        if dspark:
+            raise ValueError(f"{what}: has DSpark head weights ({dspark[0]}, ...): not "
+                             "supported; plain DFlash drafters are")
         extra = sorted(k for k in weights if k.startswith(("embed_tokens.", "lm_head.")))
         if extra:
             raise ValueError(f"{what}: has its own {', '.join(extra)}; DFlash drafters use "

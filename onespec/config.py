@@ -269,9 +269,9 @@ class Eagle3Config(SpeculativeConfig):
 @dataclass
 class DFlashConfig(SpeculativeConfig):
     """DFlash block drafting (docs/DECODING.md, "DFlash block drafters"): one forward of a
-    SpecForge-layout block drafter proposes max_draft_len drafts; vLLM's and SGLang's
-    {"method": "dflash", "model": DIR, "num_speculative_tokens": K}. K defaults to the
-    drafter's block_size - 1, its most."""
+    SpecForge-layout block drafter proposes max_draft_len drafts; the dictionary form is
+    {"method": "dflash", "model": DIR, "num_speculative_tokens": K} (SGLang's algorithm
+    "DFLASH"). K defaults to the drafter's block_size - 1, its most."""
     draft_model: str
     max_draft_len: int | None = None
     draft_dtype: str = "auto"      # drafter precision; auto = the target's

@@ -163,17 +163,22 @@ class DFlashHead(nn.Module):
         slots `slots`, attending as `meta` says (every block row sees its whole block).
         Returns the block rows' output before the final norm [Tb, H]."""
         rotary, ops = self.rotary, self.ops
+        n = ctx.shape[0]
+        both_pos = torch.cat([ctx_pos, pos])
         for layer in self.layers:
             attn = layer.self_attn
-            _, k, v = attn.project(ctx, ctx_pos, rotary)
-            attn.k_cache.index_copy_(0, ctx_slots, k)
-            attn.v_cache.index_copy_(0, ctx_slots, v)
+            if x.shape[0] == 0:                  # context keys only (nothing drafts)
+                _, k, v = attn.project(ctx, ctx_pos, rotary)
+            else:   # one projection for both (the context rows' queries go unused)
+                q, k, v = attn.project(torch.cat([ctx, layer.input_layernorm(x)]), both_pos,
+                                       rotary)
+            attn.k_cache.index_copy_(0, ctx_slots, k[:n])
+            attn.v_cache.index_copy_(0, ctx_slots, v[:n])
             if x.shape[0] == 0:
                 continue
-            q, k, v = attn.project(layer.input_layernorm(x), pos, rotary)
-            attn.k_cache.index_copy_(0, slots, k)        # (after the context: they may
-            attn.v_cache.index_copy_(0, slots, v)        #  cover rejected rows' slots)
-            out = ops.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale)
+            attn.k_cache.index_copy_(0, slots, k[n:])    # (after the context: they may
+            attn.v_cache.index_copy_(0, slots, v[n:])    #  cover rejected rows' slots)
+            out = ops.cached_attention(q[n:], attn.k_cache, attn.v_cache, meta, attn.scale)
             x = x + attn.o_proj(out.reshape(-1, attn.q_size))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x

@@ -277,3 +277,43 @@ def test_default_target_layers_and_own_lm_head(pair, tmp_path):
     save_file(w, os.path.join(head, "model.safetensors"))
     with pytest.raises(ValueError, match="own lm_head.weight"):
         dflash_llm(target, head, 2, device="cpu")
+
+
+# ---- the non-causal block on both attention backends ---------------------------------------
+
+@torch.inference_mode()
+def test_block_rows_see_their_whole_block_on_both_backends():
+    """Block rows whose metadata carries the block's last position see every key up to it
+    (their own block's later rows too) and no further, on the PyTorch path and in the
+    Triton kernel (its interpreter without CUDA): both equal dense attention over the
+    request's keys 0 .. end."""
+    pytest.importorskip("triton")
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.attention import metadata_for_rows
+    from onespec.layers.ops import TORCH_OPS, make_ops
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    bsz, heads, kv_heads, d, rows = 4, 4, 2, 16, 2       # (the interpreter is slow)
+    tables = torch.tensor([[3, 0, 5, 7, 1], [2, 6, 4, 8, 9]], device=dev)
+    kc = torch.randn(10 * bsz, kv_heads, d, generator=g).to(dev)
+    vc = torch.randn(10 * bsz, kv_heads, d, generator=g).to(dev)
+    ends = [13, 9]                              # each request's block: end - 1 .. end
+    q = torch.randn(2 * rows, heads, d, generator=g).to(dev)
+    req = torch.arange(2, device=dev).repeat_interleave(rows)
+    seen = torch.tensor(ends, device=dev).repeat_interleave(rows)
+    idx = torch.arange(rows, device=dev).repeat(2)
+    outs = []
+    for backend, ops in (("torch", TORCH_OPS), ("triton", make_ops(KernelSettings(True)))):
+        meta = metadata_for_rows(tables, req, idx, seen, bsz, rows, max(ends) + 1, None,
+                                 backend)
+        outs.append(ops.cached_attention(q, kc, vc, meta, d ** -0.5).float())
+    for r, end in enumerate(ends):
+        pos = torch.arange(end + 1, device=dev)
+        slots = tables[r, pos // bsz] * bsz + pos % bsz
+        k, v = (c[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+                for c in (kc, vc))
+        want = F.scaled_dot_product_attention(q[r * rows:(r + 1) * rows].transpose(0, 1), k, v,
+                                              scale=d ** -0.5).transpose(0, 1)
+        for out in outs:
+            torch.testing.assert_close(out[r * rows:(r + 1) * rows], want, atol=2e-5,
+                                       rtol=2e-5)

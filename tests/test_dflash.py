@@ -121,6 +121,14 @@ def test_default_k_is_the_block_and_schedule_cycles(pair):
     assert_pool_full(llm)
 
 
+def test_suffix_enhancer_over_block_drafts(pair):
+    """The suffix automaton replaces block drafts where the request repeats itself."""
+    target, _, head, plain = pair
+    llm = dflash_llm(target, head, 4, spec=dict(use_sa_enhancer=True))
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert_pool_full(llm)
+
+
 # ---- drafts against a cache-free reference read from the checkpoint file ----------------
 
 def _rms(x, w, eps=1e-6):

@@ -21,6 +21,7 @@ import torch
 
 from onespec.layers.attention import metadata_for_rows
 from onespec.models.dflash import DFlashHead
+from onespec.quant.fp8 import linear_dtype
 
 
 class DFlashDrafter:
@@ -36,6 +37,7 @@ class DFlashDrafter:
         self.max_depth = self.block_size - 1       # K may not exceed it (engine/parts.py)
         self.mask_token_id = head.config.mask_token_id
         self.dtype = head.fc.weight.dtype
+        self.lm_dtype = linear_dtype(target.lm_head)       # (draft_dtype may differ)
 
     @property
     def attention_layers(self):
@@ -52,10 +54,17 @@ class DFlashDrafter:
         raise NotImplementedError("a DFlash drafter drafts a whole block in propose_block")
 
     def compute_logits(self, hidden):
-        return self.head.ops.logits(self.target.lm_head, hidden, self.head.norm)  # [N, V]
+        return self.head.ops.logits(self.target.lm_head, *self._final(hidden))   # [N, V]
 
     def greedy_target_ids(self, hidden):
-        return self.head.ops.greedy(self.target.lm_head, hidden, self.head.norm)  # [N]
+        return self.head.ops.greedy(self.target.lm_head, *self._final(hidden))   # [N]
+
+    def _final(self, hidden):
+        """(rows, norm) for the target's LM head: the final norm fused where the drafter
+        computes in the head's dtype, else applied here and the rows cast to it."""
+        if self.dtype == self.lm_dtype:
+            return hidden, self.head.norm
+        return self.head.norm(hidden).to(self.lm_dtype), None
 
     def to_target_ids(self, draft_ids):
         return draft_ids

@@ -1,9 +1,10 @@
 """onespec: one-model speculative decoding (EAGLE-3) in plain PyTorch."""
-from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.config import DFlashConfig, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.sampling_params import SamplingParams
 from onespec.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "Eagle3Config", "MTPConfig", "NGramConfig", "EngineConfig",
+__all__ = ["LLM", "SamplingParams", "Eagle3Config", "DFlashConfig", "MTPConfig", "NGramConfig",
+           "EngineConfig",
            "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 

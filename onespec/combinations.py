@@ -20,6 +20,7 @@ from dataclasses import dataclass
 # ---- the features (as the user writes them) -------------------------------------------
 EAGLE3 = "Eagle3Config"
 MTP = "MTPConfig"
+DFLASH = "DFlashConfig"
 NGRAM = "NGramConfig"
 TREE = "use_dynamic_tree=True"
 PARALLEL = "parallel_drafting=True"
@@ -61,6 +62,9 @@ REFUSED = (
                                         "there"),
     Refusal(PARALLEL, TREE, "one parallel forward proposes one chain of K drafts"),
     Refusal(PARALLEL, TP, "parallel drafting runs on one rank for now"),
+    Refusal(DFLASH, TREE, "one block forward proposes one chain of K drafts"),
+    Refusal(DFLASH, TP, "DFlash drafting runs on one rank for now"),
+    Refusal(DFLASH, SLIDING, "its context attention keeps every key of the request"),
     Refusal(RELAXED, REJECTION, "relaxed acceptance is for greedy requests"),
     Refusal(RELAXED, FORCED, "forced acceptance sets the accepted counts itself"),
     Refusal(REJECTION, FORCED, "forced acceptance sets the accepted counts itself"),
@@ -90,7 +94,8 @@ class UnsupportedCombination(ValueError):
 
 
 def spec_features(sc) -> set[str]:
-    """The features a speculative config (Eagle3Config, MTPConfig, NGramConfig) turns on."""
+    """The features a speculative config (Eagle3Config, DFlashConfig, MTPConfig,
+    NGramConfig) turns on."""
     if sc is None:
         return set()
     on = {type(sc).__name__}

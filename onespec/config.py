@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onespec.combinations import check_combinations, spec_features
+from onespec.combinations import DFLASH, TREE, check_combinations, spec_features
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # what weights may be quantized to at load (quant/fp8.py): None keeps the checkpoint's
@@ -267,6 +267,34 @@ class Eagle3Config(SpeculativeConfig):
 
 
 @dataclass
+class DFlashConfig(SpeculativeConfig):
+    """DFlash block drafting (docs/DECODING.md, "DFlash block drafters"): one forward of a
+    SpecForge-layout block drafter proposes max_draft_len drafts; the dictionary form is
+    {"method": "dflash", "model": DIR, "num_speculative_tokens": K} (SGLang's algorithm
+    "DFLASH"). K defaults to the drafter's block_size - 1, its most."""
+    draft_model: str
+    max_draft_len: int | None = None
+    draft_dtype: str = "auto"      # drafter precision; auto = the target's
+    use_dynamic_tree: bool = False     # (refused: combinations.py)
+
+    def _check_own(self):
+        if not isinstance(self.draft_model, str) or not self.draft_model:
+            raise ValueError("draft_model must be a path to a DFlash drafter directory")
+        _check_bools(self, "use_dynamic_tree")
+        if self.use_dynamic_tree:
+            check_combinations({DFLASH, TREE})
+        if self.max_draft_len is None:
+            from onespec.models.dflash import DFlashHeadConfig
+            from onespec.models.loader import read_config
+            self.max_draft_len = DFlashHeadConfig.from_hf(
+                read_config(self.draft_model)).block_size - 1
+        _check_int("max_draft_len", self.max_draft_len, 0, 64)
+        if self.draft_dtype not in DTYPES:
+            raise ValueError(f"draft_dtype must be one of {DTYPES} for DFlash drafters, "
+                             f"got {self.draft_dtype!r}")
+
+
+@dataclass
 class MTPConfig(SpeculativeConfig):
     """Drafting with the target's own multi-token-prediction layers (docs/DECODING.md, "MTP")."""
     num_nextn_predict_layers: int = 1      # K: drafts per step
@@ -311,10 +339,12 @@ class NGramConfig(SpeculativeConfig):
 
 
 # vLLM's speculative_config dictionary: {"method", "model", "num_speculative_tokens", ...}
-SPEC_METHODS = {"eagle3": Eagle3Config, "mtp": MTPConfig, "ngram": NGramConfig}
+SPEC_METHODS = {"eagle3": Eagle3Config, "mtp": MTPConfig, "ngram": NGramConfig,
+                "dflash": DFlashConfig}
 # vLLM's key -> the typed config's field, per method (every typed field is accepted too)
 VLLM_KEYS = {
     "eagle3": {"model": "draft_model", "num_speculative_tokens": "max_draft_len"},
+    "dflash": {"model": "draft_model", "num_speculative_tokens": "max_draft_len"},
     "mtp": {"num_speculative_tokens": "num_nextn_predict_layers"},
     "ngram": {"num_speculative_tokens": "max_draft_len",
               "prompt_lookup_max": "max_matching_ngram_size",
@@ -349,9 +379,10 @@ def speculative_config_from_dict(spec: dict) -> SpeculativeConfig:
             raise ValueError(f"speculative_config gives {name} twice ({key!r} and its other "
                              "name): pass one")
         kwargs[name] = value
-    if cls is Eagle3Config and "draft_model" not in kwargs:
-        raise ValueError("speculative_config with method 'eagle3' needs 'model': the EAGLE-3 "
-                         "head directory")
+    if cls in (Eagle3Config, DFlashConfig) and "draft_model" not in kwargs:
+        what = "EAGLE-3 head" if cls is Eagle3Config else "DFlash drafter"
+        raise ValueError(f"speculative_config with method {method!r} needs 'model': the "
+                         f"{what} directory")
     return cls(**kwargs)
 
 

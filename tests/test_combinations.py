@@ -121,7 +121,7 @@ def test_dictionary_maps_onto_the_typed_config(spec, want):
     ({"method": "eagle3", "model": "h", "num_spec_tokens": 3}, "key 'num_spec_tokens'"),
     ({"method": "ngram", "model": "h"}, "key 'model' is not known for method 'ngram'"),
     ({"method": "mtp", "model": "other"}, "key 'model' is not known for method 'mtp'"),
-    ({"method": "medusa"}, r"\['method'\] must be one of \['eagle3', 'mtp', 'ngram'\]"),
+    ({"method": "medusa"}, r"\['method'\] must be one of \['dflash', 'eagle3', 'mtp', 'ngram'\]"),
     ({"model": "h"}, "'method'.* must be one of"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "needs 'model'"),
     ({"method": "eagle3", "model": "h", "draft_model": "h"}, "draft_model twice"),

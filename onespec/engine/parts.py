@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from onespec.combinations import check_combinations, engine_features, target_window
-from onespec.config import Eagle3Config, EngineConfig, MTPConfig, NGramConfig
+from onespec.config import DFlashConfig, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.distributed import TensorParallel
 from onespec.distributed.layers import tensor_parallel_ops
 from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, target_attention_layers
@@ -23,11 +23,13 @@ from onespec.kernels.settings import KernelSettings
 from onespec.layers.ops import make_ops
 from onespec.models.eagle3 import (Eagle3HeadConfig, capture_from_aux_ids,
                                    default_capture_layers)
+from onespec.models.dflash import load_dflash_head
 from onespec.models.eagle3_io import load_eagle3_head
 from onespec.models.loader import read_config
 from onespec.models.mtp import load_mtp_head
 from onespec.models.registry import load_target, resolve_device, resolve_dtype, target_class
 from onespec.speculative.acceptors import make_acceptor
+from onespec.speculative.dflash import DFlashDrafter
 from onespec.speculative.eagle3 import Eagle3Drafter
 from onespec.speculative.mtp import MTPDrafter
 from onespec.speculative.parallel import ParallelDrafter
@@ -52,7 +54,7 @@ class RankParts:
     kernel_settings: KernelSettings
     ops: object                 # the backend every layer computes with (layers/ops.py)
     model: torch.nn.Module
-    drafter: Eagle3Drafter | MTPDrafter | None
+    drafter: Eagle3Drafter | MTPDrafter | DFlashDrafter | None
     max_model_len: int
     max_draft_len: int
     max_positions: int          # rotary tables cover positions [0, max_positions)
@@ -77,7 +79,8 @@ class RankParts:
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         drafter = b.load_drafter(model) if sc and not isinstance(sc, NGramConfig) else None
         k = sc.max_draft_len if sc else 0
-        shape = b.tree or ChainShape(drafter is not None)
+        shape = b.tree or ChainShape(drafter is not None,
+                                     block=getattr(drafter, "block_size", 0))
         rows = shape.verify_rows(k)
         if config.max_num_tokens < rows:
             raise ValueError(f"max_num_tokens must be >= the rows of one verify = {rows} "
@@ -86,7 +89,7 @@ class RankParts:
         if b.tree is not None and b.tree.top_k > drafter.draft_vocab_size:
             raise ValueError(f"dynamic_tree_max_topK must be <= the head's draft vocabulary "
                              f"({drafter.draft_vocab_size}), got {b.tree.top_k}")
-        max_positions = max_model_len + 2 * k + 2
+        max_positions = max_model_len + 2 * k + 2 + getattr(shape, "block", 0)
         model.setup_rotary(max_positions, b.device)
         target_layers = target_attention_layers(model)
         draft_layers = drafter.attention_layers if drafter else []
@@ -145,8 +148,10 @@ class _Builder:
                            self.config.load_format == "dummy", self.ops, self.parallel,
                            quantization=self.config.quantization)
 
-    def load_drafter(self, model) -> Eagle3Drafter | MTPDrafter:
+    def load_drafter(self, model) -> Eagle3Drafter | MTPDrafter | DFlashDrafter:
         sc, dummy = self.sc, self.config.load_format == "dummy"
+        if isinstance(sc, DFlashConfig):
+            return self.load_dflash(model)
         if isinstance(sc, MTPConfig):
             head = load_mtp_head(self.config.model, model, sc.num_mtp_layers, self.device,
                                  self.dtype, dummy=dummy, parallel=self.parallel,
@@ -175,6 +180,19 @@ class _Builder:
         if sc.parallel_drafting:
             return ParallelDrafter(head.eval(), model, tuple(capture))
         return Eagle3Drafter(head.eval(), model, tuple(capture))
+
+    def load_dflash(self, model) -> DFlashDrafter:
+        """A DFlash drafter over the target's layers its config names; K within its
+        block."""
+        sc = self.sc
+        dtype = self.dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
+        head = load_dflash_head(sc.draft_model, model.config, self.device, dtype,
+                                dummy=self.config.load_format == "dummy", ops=self.ops)
+        drafter = DFlashDrafter(head.eval(), model, head.config.target_layer_ids)
+        if sc.max_draft_len > drafter.max_depth:
+            raise ValueError(f"max_draft_len must be <= the DFlash drafter's block_size - 1 "
+                             f"({drafter.max_depth}), got {sc.max_draft_len}")
+        return drafter
 
     def state_pool_bytes(self, model, verify_rows: int) -> int:
         """Bytes of a hybrid target's state pool: a slot per request of the batch and a

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from onespec.config import AUTO_DRAFT_LEN, Eagle3Config, MTPConfig, NGramConfig
+from onespec.config import AUTO_DRAFT_LEN, DFlashConfig, Eagle3Config, MTPConfig, NGramConfig
 from onespec.engine.kv_cache import kv_bytes_per_block, target_attention_layers
 from onespec.engine.state_pool import state_bytes
 
@@ -19,6 +19,8 @@ def describe_drafter(sc, max_draft_len: int) -> str:
         if sc.use_dynamic_tree:
             text += (f" (dynamic tree: depth {sc.max_draft_len}, top-{sc.dynamic_tree_max_topK}"
                      f", {sc.max_total_draft_tokens} nodes verified)")
+    elif isinstance(sc, DFlashConfig):
+        text = f"DFlash block drafter {sc.draft_model}, K = {max_draft_len}"
     elif isinstance(sc, MTPConfig):
         kind = "vanilla, one layer per draft" if sc.use_mtp_vanilla else "one layer, repeated"
         text = f"MTP ({kind}), K = {max_draft_len}"

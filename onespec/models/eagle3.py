@@ -133,10 +133,11 @@ def _refuse_other_drafters(cfg: dict, source: str):
     archs = cfg.get("architectures") or []
     if "DFlashDraftModel" in archs or cfg.get("dflash_config") is not None or \
             cfg.get("speculators_model_type") in ("dflash", "dspark"):
-        raise ValueError(f"{source}: DFlash/DSpark block drafters (architectures "
-                         f"{archs!r}) are not supported; supported heads: EAGLE-3 "
-                         "(SafeAILab 'LlamaForCausalLMEagle3', speculators 'eagle3') and "
-                         "P-EAGLE (speculators 'peagle')")
+        raise ValueError(f"{source}: a DFlash/DSpark block drafter (architectures "
+                         f"{archs!r}) is not an EAGLE-3 head; load DFlash drafters with "
+                         "DFlashConfig (method 'dflash'); EAGLE-3 heads are SafeAILab "
+                         "'LlamaForCausalLMEagle3', speculators 'eagle3' and P-EAGLE "
+                         "(speculators 'peagle')")
 
 
 class Eagle3Layer(nn.Module):

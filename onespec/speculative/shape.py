@@ -25,6 +25,9 @@ PAD_DRAFT = 0         # stands in for missing drafts; verifying it stays lossles
 class ChainShape:
     """K drafts in a row: the target verifies [t_last, d1..dK] (docs/DECODING.md)."""
     drafting: bool = True          # a drafter is loaded (its passes write past the verify)
+    # a DFlash drafter's block size (speculative/dflash.py): its block of rows after the
+    # last verified position p writes p + 1 .. p + block
+    block: int = 0
 
     def verify_rows(self, k: int) -> int:
         return k + 1
@@ -33,15 +36,20 @@ class ChainShape:
         return k
 
     def gen_slots(self, k: int) -> int:
+        if self.block:          # p <= P + K, so up to P + K + block
+            return k + 1 + self.block
         return slots_per_step(k, self.drafting)
 
     def ctx_slots(self, k: int) -> int:
-        """Slots past the end of a prompt's last chunk its draft passes write (K - 1)."""
+        """Slots past the end of a prompt's last chunk its draft passes write (K - 1; a
+        DFlash block: block)."""
+        if self.block:
+            return self.block
         return max(k - 1, 0) if self.drafting else 0
 
     def draft_kv_slots(self, k: int) -> int:
         """Draft-KV positions the draft loop writes past the verify's last key."""
-        return k
+        return self.block or k
 
     def results_layout(self, b: int, k: int) -> ResultsLayout:
         return ResultsLayout(b, k, k, has_parents=False)

@@ -135,7 +135,8 @@ class SpecWorker:
         self.target, self.drafter = target, drafter
         self.states = states                  # a hybrid target's StatePool (state_pool.py)
         self.tree = tree                      # dynamic-tree drafting (EAGLE-3)
-        self.shape = tree or ChainShape()     # runs the step: verify -> accept -> draft
+        # runs the step: verify -> accept -> draft (a DFlash block writes further ahead)
+        self.shape = tree or ChainShape(block=getattr(drafter, "block_size", 0))
         self.acceptor = acceptor or StrictAcceptor()
         self.verifier = Verifier(target, generator)
         self.generator = generator
@@ -245,8 +246,11 @@ class SpecWorker:
         if self.drafter is None:
             return None
         if getattr(self.drafter, "parallel", False):      # one forward drafts all K
-            out = parallel_forward(self.drafter, inp, captured, context_tokens, accepted,
-                                   num_accepted, self.attn_backend)
+            propose = getattr(self.drafter, "propose_block", None)     # (DFlash: dflash.py)
+            out = propose(inp, captured, context_tokens, accepted, num_accepted,
+                          self.attn_backend) if propose is not None else \
+                parallel_forward(self.drafter, inp, captured, context_tokens, accepted,
+                                 num_accepted, self.attn_backend)
             if out is None:
                 return None
             ahead, pos = out                                # [K, Bd, H], [Bd]

@@ -15,6 +15,7 @@ from onespec.distributed import WorkerFailure
 from onespec.distributed.ranks import Rank0Driver, start_ranks
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
+from onespec.distributed.attention_dp import RankedBlockPool
 from onespec.engine.kv_cache import BlockPool, return_freed_host_memory
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.parts import RankParts
@@ -118,8 +119,12 @@ class Engine:
         self.host_drafter = make_host_drafter(speculative_config)
         num_blocks, max_positions = parts.num_kv_blocks, parts.max_positions
         self.states = parts.states      # a hybrid target's recurrent-state pool, or None
-        self.pool = BlockPool(num_blocks, config.block_size,
-                              self._prefix_cache(drafter, speculative_config))
+        if config.enable_attention_dp:     # each rank's own blocks (attention_dp.py)
+            self.pool = RankedBlockPool(num_blocks, config.tensor_parallel_size,
+                                        config.block_size)
+        else:
+            self.pool = BlockPool(num_blocks, config.block_size,
+                                  self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids,
                                    self.shape, self.states)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_pool_full, make_hf_model
-from moe_utils import add_mtp_layers, make_deepseek_model
-from onespec import LLM, MTPConfig, SamplingParams
+from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
+from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
+from onespec.combinations import UnsupportedCombination
 from onespec.config import EngineConfig
 from onespec.distributed.attention_dp import DataParallelAttention
 
@@ -60,9 +61,11 @@ def test_greedy_equals_one_rank_with_requests_split(dp_pair):
     llm.engine.set_draft_len(0)              # plain steps, no drafting
     try:
         got, most = _run_tracking_ranks(llm)
+        # one request: on rank 0, rank 1 attends for no row (it sends only padding)
+        alone = token_ids(llm.generate([PROMPTS[1]], GREEDY))
     finally:
         llm.engine.set_draft_len(None)
-    assert got == one
+    assert got == one and alone == [one[1]]
     assert min(most) >= 1 and most[0] != most[1], most      # both ranks, unevenly
     assert_pool_full(llm)
     # attention whole on rank 0 (all 4 heads), its cache of its own 12 blocks (+ scratch)
@@ -89,8 +92,28 @@ def test_unsupported_targets_and_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"enable_attention_dp=True is not supported for "
                                          r"'LlamaForCausalLM'.*DeepseekV3ForCausalLM"):
         LLM(str(tmp_path), tensor_parallel_size=2, enable_attention_dp=True, device="cpu")
+    dp = dict(tensor_parallel_size=2, enable_attention_dp=True, device="cpu")
+    with pytest.raises(UnsupportedCombination, match=r"enable_attention_dp=True cannot be "
+                                                     r"combined with Eagle3Config"):
+        LLM(str(tmp_path), speculative_config=Eagle3Config("no-head-needed"), **dp)
+    with pytest.raises(UnsupportedCombination, match=r"enable_attention_dp=True cannot be "
+                                                     r"combined with attention_backend='triton'"):
+        LLM(str(tmp_path), attention_backend="triton", **dp)
     with pytest.raises(ValueError, match=r"needs tensor_parallel_size > 1, got 1"):
         EngineConfig(model="m", enable_attention_dp=True)
     with pytest.raises(ValueError, match="enable_attention_dp must be True or False"):
         EngineConfig(model="m", enable_attention_dp="yes")
     assert EngineConfig(model="m").enable_attention_dp is False
+
+
+def test_qwen3_moe_greedy_equals_one_rank(tmp_path):
+    """GQA attention (q/k norm) split by requests the same way, a dense layer between MoE
+    layers tensor-parallel."""
+    make_qwen3_moe_model(tmp_path, num_hidden_layers=2)
+    prompts = PROMPTS[:3]
+    one = token_ids(LLM(str(tmp_path), **OPTS).generate(prompts, GREEDY))
+    with LLM(str(tmp_path), tensor_parallel_size=2, enable_attention_dp=True, **OPTS) as llm:
+        assert token_ids(llm.generate(prompts, GREEDY)) == one
+        assert_pool_full(llm)
+        attn = llm.engine.model.model.layers[0].self_attn
+        assert isinstance(attn, DataParallelAttention) and attn.num_heads == 4

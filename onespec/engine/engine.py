@@ -120,6 +120,9 @@ class Engine:
         num_blocks, max_positions = parts.num_kv_blocks, parts.max_positions
         self.states = parts.states      # a hybrid target's recurrent-state pool, or None
         if config.enable_attention_dp:     # each rank's own blocks (attention_dp.py)
+            if config.enable_prefix_caching:
+                logger.info("prefix caching is off under enable_attention_dp: a cached "
+                            "block lives on one rank")
             self.pool = RankedBlockPool(num_blocks, config.tensor_parallel_size,
                                         config.block_size)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_pool_full, make_hf_model
+from conftest import assert_pool_full, make_hf_model, step_beside_one_rank
 from moe_utils import add_mtp_layers, make_deepseek_model, make_qwen3_moe_model
 from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
@@ -79,11 +79,14 @@ def test_greedy_equals_one_rank_with_requests_split(dp_pair):
 
 
 def test_mtp_lossless_under_attention_dp(dp_pair):
+    """Step by step beside a one-rank MTP engine holding as many blocks as both ranks: the
+    same drafts after every step (the MTP layer's attention split by requests too), the
+    same target steps, and plain greedy's tokens."""
     path, one, llm = dp_pair
-    before = llm.stats()
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one
-    stats = llm.stats()
-    assert stats["num_draft_tokens"] > before.get("num_draft_tokens", 0)
+    single = LLM(path, speculative_config=SPEC, **{**OPTS, "num_kv_blocks": 2 * 12})
+    llm.engine.reset_stats()
+    reqs = step_beside_one_rank(llm, single, PROMPTS, GREEDY)
+    assert [r.output_token_ids for r in reqs] == one
     assert_pool_full(llm)
 
 

@@ -15,6 +15,7 @@ from onespec import LLM, Eagle3Config, MTPConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import EngineConfig
 from onespec.distributed.attention_dp import DataParallelAttention
+from onespec.engine.summary import summary_lines
 
 PROMPTS = [[5, 6, 7], list(range(9, 22)), [3] * 7, [40, 41, 42, 43, 44], [70]]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -73,6 +74,9 @@ def test_greedy_equals_one_rank_with_requests_split(dp_pair):
     assert isinstance(attn, DataParallelAttention) and attn.num_heads == 4
     assert attn.latent_cache.shape[0] == (12 + 1) * 4
     assert llm.engine.pool.num_blocks == 2 * 12
+    lines = "\n".join(summary_lines(llm.engine))
+    assert "attention data-parallel" in lines and "24 blocks of 4 tokens in 2 ranks' pools" \
+        in lines and "prefix caching: off" in lines
     # the MoE stays split: half of every expert's rows
     moe = llm.engine.model.model.layers[1].mlp
     assert moe.experts.down_proj.shape[-1] == 32 // 2

@@ -94,6 +94,16 @@ def test_mtp_lossless_under_attention_dp(dp_pair):
     assert_pool_full(llm)
 
 
+def test_preempted_requests_come_back_on_a_rank(dp_pair):
+    """Twice the requests: a rank's pool runs out, requests are preempted and placed again
+    (on whichever rank has room then), and the MTP output is still one rank's greedy."""
+    path, one, llm = dp_pair
+    before = llm.stats()["num_preemptions"]
+    assert token_ids(llm.generate(PROMPTS * 2, GREEDY)) == one * 2
+    assert llm.stats()["num_preemptions"] > before
+    assert_pool_full(llm)
+
+
 def test_unsupported_targets_and_settings_are_refused(tmp_path):
     make_hf_model(tmp_path, num_layers=1)
     with pytest.raises(ValueError, match=r"enable_attention_dp=True is not supported for "

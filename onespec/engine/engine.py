@@ -12,10 +12,10 @@ from onespec.combinations import (GRAMMAR, check_combinations, engine_features, 
                                   spec_features, target_window)
 from onespec.config import AUTO_DRAFT_LEN, EngineConfig, SpeculativeConfig, as_speculative_config
 from onespec.distributed import WorkerFailure
+from onespec.distributed.attention_dp import RankedBlockPool
 from onespec.distributed.ranks import Rank0Driver, start_ranks
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
-from onespec.distributed.attention_dp import RankedBlockPool
 from onespec.engine.kv_cache import BlockPool, return_freed_host_memory
 from onespec.engine.model_runner import ModelRunner
 from onespec.engine.parts import RankParts

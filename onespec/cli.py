@@ -134,6 +134,10 @@ def _add_engine_args(p: argparse.ArgumentParser):
                    default=True, help="reuse the KV of prompt prefixes seen before")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the target over N GPUs (N CPU processes on the CPU)")
+    p.add_argument("--enable-attention-dp", action="store_true",
+                   help="with --tensor-parallel-size N, an MLA/MoE target (DeepSeek-V3, "
+                        "Qwen3-MoE) attends data-parallel: each rank for its own requests, "
+                        "with its own KV blocks; the MoE/MLP stay split (docs/SCALING.md)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: the Triton kernels on CUDA (one rank), else PyTorch")
 
@@ -290,6 +294,7 @@ def build_llm(args):
                    max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                    enable_prefix_caching=args.enable_prefix_caching,
                    tensor_parallel_size=args.tensor_parallel_size,
+                   enable_attention_dp=args.enable_attention_dp,
                    attention_backend=args.attention_backend,
                    kv_cache_memory_fraction=args.gpu_memory_utilization,
                    seed=0 if args.seed is None else args.seed)

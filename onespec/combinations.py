@@ -32,6 +32,8 @@ SA = "use_sa_enhancer=True"
 AUTO = "draft_len_schedule='auto'"
 GRAMMAR = "structured_outputs"
 TP = "tensor_parallel_size > 1"
+ATTN_DP = "enable_attention_dp=True"
+TRITON = "attention_backend='triton'"
 SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
 FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
@@ -79,6 +81,10 @@ REFUSED = (
     Refusal(TREE, HYBRID, "a tree verify would need a recurrent state per tree node; use "
                           "chain drafting"),
     Refusal(HYBRID, TP, "recurrent layers are not split over ranks yet"),
+    Refusal(ATTN_DP, EAGLE3, "the EAGLE-3 head's KV is not split over the ranks; use "
+                             "MTPConfig or NGramConfig"),
+    Refusal(ATTN_DP, TRITON, "each rank finds its requests' rows in the portable backend's "
+                             "metadata; use attention_backend='torch'"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
@@ -127,6 +133,10 @@ def engine_features(engine_config, target_cls=None, sliding_window=None,
         on.add(HOST_SYNCED_EXPERTS)
     if engine_config.tensor_parallel_size > 1:
         on.add(TP)
+    if getattr(engine_config, "enable_attention_dp", False):
+        on.add(ATTN_DP)
+    if engine_config.attention_backend == "triton":
+        on.add(TRITON)
     if sliding_window is not None:
         on.add(SLIDING)
     if engine_config.attention_backend == "triton" and target_cls is not None and \

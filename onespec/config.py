@@ -26,16 +26,6 @@ def _check_int(name: str, value, low: int, high: int | None = None, allow_none: 
         raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
 
 
-ATTENTION_DP_MISSING = (
-    "enable_attention_dp=True is not supported: attention data parallelism (each rank "
-    "attending for its own requests, MoE and dense layers tensor-parallel over every "
-    "rank's tokens) needs a KV pool per rank, a scheduler that places each request on one "
-    "rank, and steps padded to the largest rank's token count, none of which onespec has "
-    "yet. Use tensor_parallel_size=N (attention split by heads; an MLA target keeps its "
-    "whole latent cache on every rank) or replicas behind sglang-router / vllm-router "
-    "(docs/SCALING.md)")
-
-
 @dataclass
 class EngineConfig:
     model: str
@@ -61,8 +51,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # ranks the target is split over (torch.distributed: NCCL on CUDA, gloo on the CPU)
     tensor_parallel_size: int = 1
-    # attention data-parallel over the tensor-parallel ranks (TensorRT-LLM's name): not
-    # built; True is refused with what is missing (docs/SCALING.md)
+    # attention data-parallel over the tensor-parallel ranks (TensorRT-LLM's name): each
+    # rank attends for its own requests and keeps their KV (num_kv_blocks: per rank), the
+    # MoE / dense layers tensor-parallel (distributed/attention_dp.py, docs/SCALING.md)
     enable_attention_dp: bool = False
     # "fp8": quantize a bf16/fp32 checkpoint's linears and experts to e4m3 per output
     # channel at load (an FP8 checkpoint loads as it is quantized either way)
@@ -93,8 +84,10 @@ class EngineConfig:
         if not isinstance(self.enable_attention_dp, bool):
             raise ValueError(f"enable_attention_dp must be True or False, got "
                              f"{self.enable_attention_dp!r}")
-        if self.enable_attention_dp:
-            raise ValueError(ATTENTION_DP_MISSING)
+        if self.enable_attention_dp and self.tensor_parallel_size < 2:
+            raise ValueError("enable_attention_dp=True splits requests over the tensor-"
+                             "parallel ranks: it needs tensor_parallel_size > 1, got "
+                             f"{self.tensor_parallel_size}")
         if not (0.0 < self.kv_cache_memory_fraction <= 1.0):
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")

@@ -79,8 +79,10 @@ def test_engine_features_and_graphs():
     cfg = EngineConfig(model="m", tensor_parallel_size=2, attention_backend="triton")
     no_masks = type("Mla", (), {"triton_tree_masks": False})
     assert C.engine_features(cfg, no_masks, sliding_window=4) == \
-        {C.TP, C.SLIDING, C.TRITON_NO_TREE_MASKS}
+        {C.TP, C.SLIDING, C.TRITON_NO_TREE_MASKS, C.TRITON}
     assert C.engine_features(EngineConfig(model="m")) == set()
+    assert C.engine_features(EngineConfig(model="m", tensor_parallel_size=2,
+                                          enable_attention_dp=True)) == {C.TP, C.ATTN_DP}
     assert C.graphs_allowed({C.EAGLE3, C.TREE, C.FORCED})
     assert not C.graphs_allowed({C.EAGLE3, C.REJECTION})
     assert not C.graphs_allowed({C.NGRAM, C.TP})

@@ -32,6 +32,9 @@ class TensorParallel:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup = field(repr=False)
+    # enable_attention_dp: attention whole on every rank, each attending for its own
+    # requests (attention_dp.py); set by engine/parts.py before the model is built
+    attention_dp: bool = False
 
     @classmethod
     def join(cls, rank: int, world_size: int, store_or_port, device: torch.device

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onespec.distributed.attention_dp import make_data_parallel
 from onespec.distributed.group import TensorParallel
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TorchOps
@@ -54,8 +55,9 @@ COLUMN_PARALLEL = ("q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def check_tensor_parallel(cfg: dict, size: int):
-    """A ValueError unless a checkpoint of config.json `cfg` can be split over `size` ranks."""
+def check_tensor_parallel(cfg: dict, size: int, attention_dp: bool = False):
+    """A ValueError unless a checkpoint of config.json `cfg` can be split over `size` ranks
+    (under attention DP the attention is not split: its heads need not divide)."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if isinstance(a, str)), None) if isinstance(archs, list) \
         else None
@@ -63,10 +65,11 @@ def check_tensor_parallel(cfg: dict, size: int):
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {arch or archs!r} "
                          f"(supported: {SUPPORTED}); use tensor_parallel_size=1")
     heads = cfg.get("num_attention_heads")
-    if not isinstance(heads, int) or heads % size:
+    if not attention_dp and (not isinstance(heads, int) or heads % size):
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
     kv_heads = cfg.get("num_key_value_heads") or heads
-    if arch not in MLA_ARCHITECTURES and kv_heads % size and size % kv_heads:
+    if not attention_dp and arch not in MLA_ARCHITECTURES and kv_heads % size and \
+            size % kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: "
                          "one must divide the other")
     for name, value in _mlp_sizes(cfg, arch).items():
@@ -226,9 +229,12 @@ def shard_decoder(model: nn.Module, tp: TensorParallel):
 
 def shard_layer(layer: nn.Module, tp: TensorParallel):
     """A (meta-device) decoder layer's attention (GQA or MLA) and MLP (dense or MoE)
-    replaced by this rank's shards, in place."""
+    replaced by this rank's shards, in place (under attention DP the attention stays
+    whole: attention_dp.py)."""
     with torch.device("meta"):
-        if isinstance(layer.self_attn, MLAttention):
+        if tp.attention_dp:              # whole, each rank attending for its own requests
+            make_data_parallel(layer.self_attn, tp)
+        elif isinstance(layer.self_attn, MLAttention):
             _shard_mla(layer.self_attn, tp)
         else:
             _shard_attention(layer.self_attn, tp)
@@ -314,6 +320,8 @@ def shard_weights(weights, cfg, tp: TensorParallel):
 
 def _shard_tensor(name: str, t: torch.Tensor, cfg, tp: TensorParallel) -> torch.Tensor:
     parts = name.split(".")
+    if tp.attention_dp and "self_attn" in parts:     # attention whole on every rank
+        return t
     module, leaf = (parts[-2], parts[-1]) if len(parts) > 1 else ("", name)
     if module in ("k_proj", "v_proj"):
         first, end = kv_head_range(cfg.num_key_value_heads, tp)

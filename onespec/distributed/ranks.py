@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from onespec.distributed import broadcast, launch
+from onespec.distributed.attention_dp import check_attention_dp
 from onespec.distributed.group import TensorParallel, WorkerFailure, rendezvous_store
 from onespec.distributed.layers import check_tensor_parallel
 from onespec.models.loader import read_config
@@ -52,7 +53,9 @@ def start_ranks(config, speculative_config, features: frozenset
     size = config.tensor_parallel_size
     if size == 1:
         return None
-    check_tensor_parallel(read_config(config.model), size)
+    if config.enable_attention_dp:
+        check_attention_dp(read_config(config.model), size)
+    check_tensor_parallel(read_config(config.model), size, config.enable_attention_dp)
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is not None:
         raise ValueError(f"device={config.device!r}: with tensor_parallel_size > 1 "

@@ -12,6 +12,7 @@ from onespec.combinations import (GRAMMAR, check_combinations, engine_features, 
                                   spec_features, target_window)
 from onespec.config import AUTO_DRAFT_LEN, EngineConfig, SpeculativeConfig, as_speculative_config
 from onespec.distributed import WorkerFailure
+from onespec.distributed.attention_dp import RankedBlockPool
 from onespec.distributed.ranks import Rank0Driver, start_ranks
 from onespec.engine.calibrate import build_policy
 from onespec.engine.cuda_graph import CudaGraphRunner, PendingStep
@@ -119,8 +120,15 @@ class Engine:
         self.host_drafter = make_host_drafter(speculative_config)
         num_blocks, max_positions = parts.num_kv_blocks, parts.max_positions
         self.states = parts.states      # a hybrid target's recurrent-state pool, or None
-        self.pool = BlockPool(num_blocks, config.block_size,
-                              self._prefix_cache(drafter, speculative_config))
+        if config.enable_attention_dp:     # each rank's own blocks (attention_dp.py)
+            if config.enable_prefix_caching:
+                logger.info("prefix caching is off under enable_attention_dp: a cached "
+                            "block lives on one rank")
+            self.pool = RankedBlockPool(num_blocks, config.tensor_parallel_size,
+                                        config.block_size)
+        else:
+            self.pool = BlockPool(num_blocks, config.block_size,
+                                  self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids,
                                    self.shape, self.states)

@@ -15,6 +15,7 @@ import torch
 from onespec.combinations import check_combinations, engine_features, target_window
 from onespec.config import DFlashConfig, Eagle3Config, EngineConfig, MTPConfig, NGramConfig
 from onespec.distributed import TensorParallel
+from onespec.distributed.attention_dp import set_rank_slots
 from onespec.distributed.layers import tensor_parallel_ops
 from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, target_attention_layers
 from onespec.engine.state_pool import StatePool, state_bytes
@@ -106,6 +107,7 @@ class RankParts:
         # entries of every layer at once: their own tensor)
         for layers in (target_layers, draft_layers):
             allocate_kv_cache(layers, num_blocks + 1, config.block_size, b.device)
+            set_rank_slots(layers, num_blocks, config.block_size)   # (attention DP)
         generator = torch.Generator(b.device).manual_seed(config.seed)
         worker = SpecWorker(model, drafter, make_acceptor(sc), generator, b.backend, b.tree,
                             states)
@@ -141,6 +143,7 @@ class _Builder:
                                               pdl=config.programmatic_launch)
         self.ops = make_ops(self.kernel_settings)
         if parallel is not None:
+            parallel.attention_dp = config.enable_attention_dp
             self.ops = tensor_parallel_ops(self.ops)
 
     def load_target(self):

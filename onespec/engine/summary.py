@@ -70,10 +70,13 @@ def summary_lines(engine) -> list[str]:
     return [
         f"model {cfg.model}: {arch}, {mcfg.num_hidden_layers} layers, vocabulary "
         f"{mcfg.vocab_size}, {str(engine.dtype).removeprefix('torch.')} on {engine.device}"
-        + (f", tensor parallel over {ranks} ranks" if ranks > 1 else ""),
+        + (f", tensor parallel over {ranks} ranks" if ranks > 1 else "")
+        + (" (attention data-parallel: each rank attends for its own requests)"
+           if cfg.enable_attention_dp else ""),
         f"drafter: {describe_drafter(engine.spec_config, engine.max_draft_len)}",
         f"KV cache: {num_blocks} blocks of {cfg.block_size} tokens "
-        f"({num_blocks * cfg.block_size} tokens, {_bytes(num_blocks * per_block)}"
+        + (f"in {ranks} ranks' pools " if cfg.enable_attention_dp else "")
+        + f"({num_blocks * cfg.block_size} tokens, {_bytes(num_blocks * per_block)}"
         + (", pages taken as blocks are written" if engine.device.type == "cpu" else "")
         + f"); max_model_len {engine.max_model_len}, max_batch_size {cfg.max_batch_size}, "
         f"max_num_tokens {cfg.max_num_tokens}",

@@ -21,6 +21,10 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.cache = cache
+        # a block-table entry whose block went back to the pool while its request runs (a
+        # sliding-window target's blocks behind the window: release_before) names the
+        # scratch block every layer holds past the pool; attention masks it out
+        self.released = num_blocks
         self.free_blocks = deque(range(num_blocks))      # free and holding no cached KV
         self.ref_counts = [0] * num_blocks
 
@@ -50,13 +54,31 @@ class BlockPool:
         """Releases a request's blocks, last first (a cached prefix's tail is evicted before
         its head, which more requests share)."""
         for block in reversed(block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.cache is not None and self.cache.holds(block):
-                    self.cache.park(block)
-                else:
-                    self.free_blocks.appendleft(block)
+            self._release(block)
         block_table.clear()
+
+    def release_range(self, block_table: list[int], start: int, stop: int):
+        """Releases the blocks of entries [start, stop), each entry becoming `released`:
+        the table keeps its length, so positions keep their entries and allocate() counts
+        what is covered. For a target whose every attention layer slides, whose rows never
+        read keys behind their window (Scheduler's release behind the window)."""
+        for i in range(start, min(stop, len(block_table))):
+            self._release(block_table[i])
+            block_table[i] = self.released
+
+    def num_held(self, block_table: list[int]) -> int:
+        """The blocks a request's table holds (released entries not counted)."""
+        return sum(block != self.released for block in block_table)
+
+    def _release(self, block: int):
+        if block == self.released:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.cache is not None and self.cache.holds(block):
+                self.cache.park(block)
+            else:
+                self.free_blocks.appendleft(block)
 
     def flush_cache(self) -> int:
         """Forgets every cached block no request holds (they become plain free blocks);

@@ -1,0 +1,157 @@
+"""A target whose every attention layer slides (Mistral's `sliding_window`): the blocks
+behind a running request's window go back to the pool while it runs. Output equals
+transformers token for token (plain, chunked, prefix-cached, preempted, with n-gram and
+EAGLE-3 drafts), a request many windows long holds a bounded number of blocks at every
+step, a second request runs in the blocks the first gave back, and the pool is full
+again after every run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, assert_pool_full, hf_greedy, make_eagle3_head, make_hf_model
+from onespec import LLM, Eagle3Config, NGramConfig, SamplingParams
+from onespec.engine.kv_cache import slots_per_step
+
+WINDOW, BLOCK = 8, 4
+NEW_TOKENS = 72                                   # with the prompts: 10+ windows a request
+
+
+def make_prompts(lens, seed: int = 11) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in lens]
+
+
+PROMPTS = make_prompts((6, 30))                   # shorter and longer than the window
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """(target dir, head dir, transformers' greedy continuations of PROMPTS)."""
+    path = tmp_path_factory.mktemp("mistral")
+    hf = make_hf_model(path, "mistral", num_layers=2, hidden_size=32, sliding_window=WINDOW)
+    head = tmp_path_factory.mktemp("head")
+    make_eagle3_head(head, hf, seed=3)
+    return str(path), str(head), [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def held_bound(k: int, drafting: bool, chunk: int = 1) -> int:
+    """Blocks a request may hold after a step: the one holding its window's first key to
+    the one holding the last slot the next step may write (or its next prefill chunk)."""
+    span = WINDOW + max(slots_per_step(k, drafting), chunk)
+    return span // BLOCK + 2
+
+
+def run_stepping(llm, prompts, bound: int):
+    """Steps the engine to the end; after every step each running request holds at most
+    `bound` blocks and the pool's free count is the pool less what the requests hold.
+    Returns (token ids, the most blocks any request held, whether requests ran at once
+    with more positions between them than the pool has slots, every step's drafts)."""
+    eng = llm.engine
+    pool = eng.pool
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    most, overlapped, drafts = 0, False, []
+    while eng.has_unfinished():
+        drafts.append([(r.request_id, list(r.draft_tokens)) for r in eng.step()])
+        running = eng.scheduler.running
+        held = [pool.num_held(r.block_table) for r in running]
+        assert all(h <= bound for h in held), (held, bound)
+        if pool.cache is None:
+            assert pool.num_free_blocks == pool.num_blocks - sum(held)
+        most = max([most, *held])
+        overlapped |= len(running) > 1 and \
+            sum(r.num_computed for r in running) > pool.num_blocks * pool.block_size
+    assert all(r.is_finished for r in reqs)
+    assert_pool_full(llm)
+    return [r.output_token_ids for r in reqs], most, overlapped, drafts
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "no-prefix-cache"])
+def test_long_requests_hold_a_window_of_blocks(sliding, mode):
+    """Requests 10+ windows long equal transformers token for token, while each holds at
+    most window / block_size + 2 (+ a step's slots) blocks after every step; without the
+    release a request's blocks would grow to 20+."""
+    path, _, refs = sliding
+    kw = {"chunked": dict(max_num_tokens=5),
+          "no-prefix-cache": dict(enable_prefix_caching=False)}.get(mode, {})
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=BLOCK, max_model_len=128,
+              **kw)
+    chunk = kw.get("max_num_tokens", max(map(len, PROMPTS)))
+    outs, most, _, _ = run_stepping(llm, PROMPTS, held_bound(0, False, chunk))
+    assert outs == refs
+    assert most < (len(PROMPTS[1]) + NEW_TOKENS) // BLOCK // 2
+    llm.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculation_is_lossless_with_released_blocks(sliding, method):
+    """n-gram and EAGLE-3 drafts (K=3: the draft steps write up to 2K slots ahead) leave
+    greedy output equal to transformers', with the same bound on the blocks held. The
+    head's layers keep the target's window in every draft step, so its drafts equal those
+    of an engine that keeps every block (a draft reading a released block would differ);
+    n-gram drafts are accepted on these looping outputs."""
+    path, head, refs = sliding
+    sc = NGramConfig(max_draft_len=3) if method == "ngram" else \
+        Eagle3Config(draft_model=head, max_draft_len=3, layers_to_capture=(0, 1, 1))
+    runs = []
+    for release in (True, False):
+        llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=BLOCK,
+                  max_model_len=128, speculative_config=sc)
+        if not release:
+            llm.engine.scheduler.sliding_window = None        # keeps every block
+        bound = held_bound(3, method == "eagle3", max(map(len, PROMPTS))) if release else 99
+        outs, most, _, drafts = run_stepping(llm, PROMPTS, bound)
+        assert outs == refs
+        if method == "ngram":
+            assert llm.stats()["num_accepted_draft_tokens"] > 0
+        runs.append((most, drafts))
+        llm.close()
+    (most, drafts), (most_kept, drafts_kept) = runs
+    assert most < most_kept
+    assert drafts == drafts_kept
+
+
+def test_second_request_runs_in_released_blocks(sliding):
+    """A pool of just the blocks one max_model_len request needs runs two long requests
+    side by side, with more positions between them than the pool has slots, and never
+    preempts: each runs in blocks the other released."""
+    path, _, refs = sliding
+    max_len = len(PROMPTS[1]) + NEW_TOKENS + 1
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=BLOCK,
+              max_model_len=max_len, num_kv_blocks=-(-(max_len + 1) // BLOCK))
+    outs, _, overlapped, _ = run_stepping(llm, PROMPTS, held_bound(0, False, len(PROMPTS[1])))
+    assert outs == refs
+    assert overlapped
+    assert llm.stats()["num_preemptions"] == 0
+    llm.close()
+
+
+def test_preempted_and_prefix_cached_requests(sliding):
+    """A request preempted after releasing blocks recomputes from position 0 in fresh
+    blocks; a prompt found in the prefix cache (its blocks behind the window parked when
+    the first request released them) takes the cached blocks still held and releases
+    those behind its window at admission: both equal transformers."""
+    path, _, refs = sliding
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=BLOCK, max_model_len=128,
+              num_kv_blocks=-(-130 // BLOCK))
+    eng = llm.engine
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = eng.add_request(PROMPTS[1], params)
+    while first.num_computed < 60:
+        eng.step()
+    assert first.released_blocks > 0
+    eng.scheduler._preempt(first)                 # as when the pool runs dry
+    assert first.block_table == [] and first.released_blocks == 0
+    while eng.has_unfinished():
+        eng.step()
+    assert first.output_token_ids == refs[1]
+    again = eng.add_request(PROMPTS[1], params)
+    eng.step()
+    assert again.metrics.num_cached_tokens > WINDOW
+    assert again.released_blocks > 0
+    while eng.has_unfinished():
+        eng.step()
+    assert again.output_token_ids == refs[1]
+    assert_pool_full(llm)
+    llm.close()

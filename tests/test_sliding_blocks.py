@@ -155,3 +155,42 @@ def test_preempted_and_prefix_cached_requests(sliding):
     assert again.output_token_ids == refs[1]
     assert_pool_full(llm)
     llm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@torch.inference_mode()
+def test_attention_never_reads_released_entries(backend):
+    """Block-table entries behind every row's window that name the scratch block (a
+    released block) leave both attention backends' output as it is with the request's own
+    blocks there: the Triton kernel loads no key before its rows' window (the scratch block
+    is NaN here to prove it); the portable path gathers the scratch block's finite values
+    under a mask that weighs them 0. A decode row, a 4-row verify and a 6-row chunk."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from onespec.layers.attention import build_attention_metadata
+    from onespec.layers.ops import TORCH_OPS, make_ops
+    from onespec.kernels.settings import KernelSettings
+    ops = TORCH_OPS if backend == "torch" else make_ops(KernelSettings(triton=True))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    num_blocks, heads, kv_heads, dim, window = 48, 4, 2, 32, 11
+    scratch = num_blocks
+    kc = torch.randn(((num_blocks + 1) * BLOCK, kv_heads, dim), generator=g, device=dev)
+    vc = torch.randn(((num_blocks + 1) * BLOCK, kv_heads, dim), generator=g, device=dev)
+    fill = float("nan") if backend == "triton" else 1e4
+    kc[scratch * BLOCK:], vc[scratch * BLOCK:] = fill, fill
+    q_lens, starts = [1, 4, 6], [37, 50, 29]
+    perm = torch.randperm(num_blocks, generator=g, device=dev)
+    tables = perm[:45].view(3, 15).clone()
+    released = tables.clone()
+    for r, start in enumerate(starts):
+        released[r, :max(0, start - window + 1) // BLOCK] = scratch
+    positions = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, q_lens)])
+    q = torch.randn((positions.numel(), heads, dim), generator=g, device=dev)
+    outs = []
+    for t in (tables, released):
+        meta = build_attention_metadata(t, q_lens, positions, BLOCK, int(positions.max()) + 1,
+                                        window, backend)
+        outs.append(ops.cached_attention(q, kc, vc, meta, dim ** -0.5))
+    assert torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

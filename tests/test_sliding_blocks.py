@@ -131,8 +131,8 @@ def test_second_request_runs_in_released_blocks(sliding):
 def test_preempted_and_prefix_cached_requests(sliding):
     """A request preempted after releasing blocks recomputes from position 0 in fresh
     blocks; a prompt found in the prefix cache (its blocks behind the window parked when
-    the first request released them) takes the cached blocks still held and releases
-    those behind its window at admission: both equal transformers."""
+    the first request released them) takes only the cached blocks within its window (those
+    behind it stay parked, their entries released): both equal transformers."""
     path, _, refs = sliding
     llm = LLM(path, dtype="float32", device=TEST_DEVICE, block_size=BLOCK, max_model_len=128,
               num_kv_blocks=-(-130 // BLOCK), cuda_graphs=False)     # (no step in flight)
@@ -151,6 +151,9 @@ def test_preempted_and_prefix_cached_requests(sliding):
     eng.step()
     assert again.metrics.num_cached_tokens > WINDOW
     assert again.released_blocks > 0
+    behind = again.prefix_chain[:again.released_blocks]
+    assert all(eng.pool.cache.is_parked(rec.block_id) for rec in behind)
+    assert again.block_table[:again.released_blocks] == [eng.pool.released] * len(behind)
     while eng.has_unfinished():
         eng.step()
     assert again.output_token_ids == refs[1]

@@ -96,20 +96,26 @@ class BlockPool:
             return []           # prompt log-probabilities need every prompt row computed
         return self.cache.match(req)
 
-    def can_admit(self, hits: list[CachedBlock], num_slots: int) -> bool:
+    def can_admit(self, hits: list[CachedBlock], num_slots: int, skip: int = 0) -> bool:
         """Whether a request starting with the cached blocks `hits` can get num_slots slots
-        (a parked hit counts among the free blocks it takes)."""
-        parked = sum(self.cache.is_parked(h.block_id) for h in hits) if hits else 0
+        (a parked hit counts among the free blocks it takes; the first `skip`, behind a
+        sliding window, are not taken)."""
+        parked = sum(self.cache.is_parked(h.block_id) for h in hits[skip:]) if hits else 0
         return self.num_blocks_needed(hits, num_slots) + parked <= self.num_free_blocks
 
-    def admit(self, req: Request, hits: list[CachedBlock], num_slots: int):
+    def admit(self, req: Request, hits: list[CachedBlock], num_slots: int, skip: int = 0):
         """Gives req the blocks `hits` (shared, never written again), then fresh blocks up to
-        num_slots slots (can_admit first)."""
-        for h in hits:
+        num_slots slots (can_admit first). The first `skip` hits lie behind the window of
+        a sliding target: their entries are `released` at once, the blocks not taken."""
+        for i, h in enumerate(hits):
+            if i < skip:
+                req.block_table.append(self.released)
+                continue
             if self.ref_counts[h.block_id] == 0:
                 self.cache.unpark(h.block_id)
             self.ref_counts[h.block_id] += 1
             req.block_table.append(h.block_id)
+        req.released_blocks = min(skip, len(hits))
         if self.cache is not None:
             req.prefix_chain = list(hits)
         self.allocate(req.block_table, num_slots)

@@ -133,14 +133,14 @@ class Scheduler:
             end = start + length
             is_last = end == req.num_tokens
             slots = self._ctx_slots(end, is_last, k)
-            if not self.pool.can_admit(hits, slots) or \
+            behind = self._blocks_behind_window(start)     # hits the chunk cannot see
+            if not self.pool.can_admit(hits, slots, behind) or \
                     (self.states is not None and not self.states.num_free):
                 break
-            self.pool.admit(req, hits, slots)
+            self.pool.admit(req, hits, slots, behind)
             if self.states is not None:
                 req.state_slot = self.states.allocate()
             req.num_computed = start
-            self._release_behind_window(req)       # cached blocks the chunk cannot see
             if req.metrics.num_cached_tokens is None:      # (not again after preemption)
                 req.metrics.num_cached_tokens = start
                 req.times.first_scheduled_time = time.monotonic()
@@ -162,6 +162,13 @@ class Scheduler:
                 return False
         self.pool.allocate(req.block_table, slots)
         return True
+
+    def _blocks_behind_window(self, num_computed: int) -> int:
+        """How many leading blocks no row at a position >= num_computed reads (0 without
+        a sliding window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.pool.block_size
 
     def _preempt(self, req: Request):
         self.running.remove(req)
@@ -234,9 +241,7 @@ class Scheduler:
         blocks before the one holding it are released (their table entries then name the
         scratch block, which the window's mask hides). A rewind never goes below
         num_computed, and a preempted request recomputes from 0 in fresh blocks."""
-        if self.sliding_window is None:
-            return
-        first_seen = max(0, req.num_computed - self.sliding_window + 1) // self.pool.block_size
+        first_seen = self._blocks_behind_window(req.num_computed)
         if first_seen > req.released_blocks:
             self.pool.release_range(req.block_table, req.released_blocks, first_seen)
             req.released_blocks = first_seen

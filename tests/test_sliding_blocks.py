@@ -128,6 +128,30 @@ def test_second_request_runs_in_released_blocks(sliding):
     llm.close()
 
 
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_pool_smaller_than_one_request(sliding, method):
+    """On a sliding target the pool need only hold one request's window and a step's
+    tokens (kv_cache.window_blocks), not max_model_len: with 8-token prefill chunks a
+    pool of a fifth of one request's length runs two such requests to the end (the newer
+    one preempted while the older needs the blocks) equal to transformers; a pool one
+    block smaller is refused by name."""
+    path, _, refs = sliding
+    sc = NGramConfig(max_draft_len=3) if method else None
+    k = 3 if method else 0
+    need = -(-(WINDOW + max(8, slots_per_step(k, False) + k + 1)) // BLOCK) + 1
+    max_len = len(PROMPTS[1]) + NEW_TOKENS + 1
+    assert need * 4 < max_len // BLOCK
+    kw = dict(dtype="float32", device=TEST_DEVICE, block_size=BLOCK, max_model_len=max_len,
+              max_num_tokens=8, speculative_config=sc)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(path, num_kv_blocks=need - 1, **kw)
+    llm = LLM(path, num_kv_blocks=need, **kw)
+    outs, _, _, _ = run_stepping(llm, PROMPTS, need)
+    assert outs == refs
+    assert llm.stats()["num_preemptions"] > 0          # the pool was contended
+    llm.close()
+
+
 def test_preempted_and_prefix_cached_requests(sliding):
     """A request preempted after releasing blocks recomputes from position 0 in fresh
     blocks; a prompt found in the prefix cache (its blocks behind the window parked when

@@ -133,6 +133,16 @@ def slots_per_step(k: int, drafting: bool = True) -> int:
     return max(k + 1, 2 * k) if drafting else k + 1
 
 
+def window_blocks(window: int, block_size: int, max_num_tokens: int, shape, k: int) -> int:
+    """The most blocks one request of a target whose every layer slides holds at once
+    (Scheduler releases those behind the window after each step): from the block of
+    num_computed - window + 1 to the last slot reserved past num_computed, a prefill
+    chunk's (max_num_tokens + its draft slots) or a generation step's, which the overlap
+    scheduler reserves k + 1 positions early."""
+    ahead = max(max_num_tokens + shape.ctx_slots(k), shape.gen_slots(k) + k + 1)
+    return -(-(window + ahead) // block_size) + 1
+
+
 def target_attention_layers(model) -> list:
     """The target's layers that keep paged KV: every layer's self_attn, or only the
     full-attention layers of a hybrid target (its attention_layers())."""

@@ -131,7 +131,7 @@ class Engine:
                                   self._prefix_cache(drafter, speculative_config))
         self.scheduler = Scheduler(self.pool, config.max_num_tokens, config.max_batch_size,
                                    self.max_model_len, drafter is not None, mcfg.eos_token_ids,
-                                   self.shape, self.states)
+                                   self.shape, self.states, mcfg.sliding_window)
         sc = speculative_config
         relaxed = sc is not None and sc.use_relaxed_acceptance_for_thinking
         self.thinking = ThinkingPhase(sc.begin_thinking_phase_token, sc.end_thinking_phase_token,

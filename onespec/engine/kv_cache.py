@@ -21,6 +21,10 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.cache = cache
+        # a block-table entry whose block went back to the pool while its request runs (a
+        # sliding-window target's blocks behind the window: release_before) names the
+        # scratch block every layer holds past the pool; attention masks it out
+        self.released = num_blocks
         self.free_blocks = deque(range(num_blocks))      # free and holding no cached KV
         self.ref_counts = [0] * num_blocks
 
@@ -50,13 +54,31 @@ class BlockPool:
         """Releases a request's blocks, last first (a cached prefix's tail is evicted before
         its head, which more requests share)."""
         for block in reversed(block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.cache is not None and self.cache.holds(block):
-                    self.cache.park(block)
-                else:
-                    self.free_blocks.appendleft(block)
+            self._release(block)
         block_table.clear()
+
+    def release_range(self, block_table: list[int], start: int, stop: int):
+        """Releases the blocks of entries [start, stop), each entry becoming `released`:
+        the table keeps its length, so positions keep their entries and allocate() counts
+        what is covered. For a target whose every attention layer slides, whose rows never
+        read keys behind their window (Scheduler's release behind the window)."""
+        for i in range(start, min(stop, len(block_table))):
+            self._release(block_table[i])
+            block_table[i] = self.released
+
+    def num_held(self, block_table: list[int]) -> int:
+        """The blocks a request's table holds (released entries not counted)."""
+        return sum(block != self.released for block in block_table)
+
+    def _release(self, block: int):
+        if block == self.released:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.cache is not None and self.cache.holds(block):
+                self.cache.park(block)
+            else:
+                self.free_blocks.appendleft(block)
 
     def flush_cache(self) -> int:
         """Forgets every cached block no request holds (they become plain free blocks);
@@ -74,20 +96,26 @@ class BlockPool:
             return []           # prompt log-probabilities need every prompt row computed
         return self.cache.match(req)
 
-    def can_admit(self, hits: list[CachedBlock], num_slots: int) -> bool:
+    def can_admit(self, hits: list[CachedBlock], num_slots: int, skip: int = 0) -> bool:
         """Whether a request starting with the cached blocks `hits` can get num_slots slots
-        (a parked hit counts among the free blocks it takes)."""
-        parked = sum(self.cache.is_parked(h.block_id) for h in hits) if hits else 0
+        (a parked hit counts among the free blocks it takes; the first `skip`, behind a
+        sliding window, are not taken)."""
+        parked = sum(self.cache.is_parked(h.block_id) for h in hits[skip:]) if hits else 0
         return self.num_blocks_needed(hits, num_slots) + parked <= self.num_free_blocks
 
-    def admit(self, req: Request, hits: list[CachedBlock], num_slots: int):
+    def admit(self, req: Request, hits: list[CachedBlock], num_slots: int, skip: int = 0):
         """Gives req the blocks `hits` (shared, never written again), then fresh blocks up to
-        num_slots slots (can_admit first)."""
-        for h in hits:
+        num_slots slots (can_admit first). The first `skip` hits lie behind the window of
+        a sliding target: their entries are `released` at once, the blocks not taken."""
+        for i, h in enumerate(hits):
+            if i < skip:
+                req.block_table.append(self.released)
+                continue
             if self.ref_counts[h.block_id] == 0:
                 self.cache.unpark(h.block_id)
             self.ref_counts[h.block_id] += 1
             req.block_table.append(h.block_id)
+        req.released_blocks = min(skip, len(hits))
         if self.cache is not None:
             req.prefix_chain = list(hits)
         self.allocate(req.block_table, num_slots)
@@ -103,6 +131,16 @@ def slots_per_step(k: int, drafting: bool = True) -> int:
     the target's K+1 rows at P..P+K, and with a drafter its steps, draft step j writing
     P + n - 1 + j <= P + 2K - 1: max(K + 1, 2K)."""
     return max(k + 1, 2 * k) if drafting else k + 1
+
+
+def window_blocks(window: int, block_size: int, max_num_tokens: int, shape, k: int) -> int:
+    """The most blocks one request of a target whose every layer slides holds at once
+    (Scheduler releases those behind the window after each step): from the block of
+    num_computed - window + 1 to the last slot reserved past num_computed, a prefill
+    chunk's (max_num_tokens + its draft slots) or a generation step's, which the overlap
+    scheduler reserves k + 1 positions early."""
+    ahead = max(max_num_tokens + shape.ctx_slots(k), shape.gen_slots(k) + k + 1)
+    return -(-(window + ahead) // block_size) + 1
 
 
 def target_attention_layers(model) -> list:

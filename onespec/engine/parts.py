@@ -17,7 +17,8 @@ from onespec.config import DFlashConfig, Eagle3Config, EngineConfig, MTPConfig, 
 from onespec.distributed import TensorParallel
 from onespec.distributed.attention_dp import set_rank_slots
 from onespec.distributed.layers import tensor_parallel_ops
-from onespec.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, target_attention_layers
+from onespec.engine.kv_cache import (allocate_kv_cache, kv_bytes_per_block,
+                                     target_attention_layers, window_blocks)
 from onespec.engine.state_pool import StatePool, state_bytes
 from onespec.engine.memory import available_bytes, require_bytes
 from onespec.kernels.settings import KernelSettings
@@ -97,6 +98,9 @@ class RankParts:
         if drafter:
             drafter.head.setup_rotary(max_positions, b.device)
         blocks_per_seq = -(-(max_model_len + shape.gen_slots(k)) // config.block_size)
+        if mcfg.sliding_window is not None:    # blocks behind the window go back
+            blocks_per_seq = min(blocks_per_seq, window_blocks(
+                mcfg.sliding_window, config.block_size, config.max_num_tokens, shape, k))
         num_blocks = b.num_kv_blocks(target_layers + draft_layers, blocks_per_seq, max_model_len,
                                      reserved=b.state_pool_bytes(model, shape.verify_rows(k))
                                      if recurrent else 0)
@@ -230,7 +234,8 @@ class _Builder:
                 num = self.parallel.min_int(num)
         if num < blocks_per_seq:
             raise ValueError(f"num_kv_blocks={num} cannot hold one request of max_model_len="
-                             f"{max_model_len} (+ draft slots): needs >= {blocks_per_seq} "
+                             f"{max_model_len} (+ draft slots; on a sliding-window target, "
+                             f"its window and one step's tokens): needs >= {blocks_per_seq} "
                              f"blocks of {cfg.block_size}; raise num_kv_blocks or lower "
                              "max_model_len")
         return num

@@ -123,6 +123,8 @@ class PrefixCache:
             if rec is not None and self._is(rec, parent, key, req):
                 chain.append(rec)             # cached already (req's own block is a copy)
                 continue
+            if b < req.released_blocks:
+                return                        # released behind a sliding window unregistered
             if rec is not None and self._reachable(rec):
                 return                        # a true hash collision: keep the first one
             # (a record under an evicted parent, which no lookup reaches, is replaced; its

@@ -85,6 +85,9 @@ class Request:
     num_computed: int = 0
     in_context: bool = True                    # prefill (or recompute) not finished yet
     block_table: list[int] = field(default_factory=list)
+    # entries [0, released_blocks) of block_table went back to the pool behind a sliding
+    # window (Scheduler._release_behind_window; they name BlockPool.released)
+    released_blocks: int = 0
     state_slot: int | None = None   # recurrent-state slot (hybrid targets, state_pool.py)
     draft_tokens: list[int] = field(default_factory=list)
     draft_parents: list[int] = field(default_factory=list)  # tree drafts: parent row of each

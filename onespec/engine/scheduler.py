@@ -1,5 +1,7 @@
 """Continuous batching with chunked prefill, K+1 verify slots per generation request, and
-preemption by recompute when the block pool runs dry."""
+preemption by recompute when the block pool runs dry. On a target whose every attention
+layer slides (`sliding_window`), a request's blocks behind its window go back to the pool
+as it advances."""
 from __future__ import annotations
 
 import time
@@ -47,8 +49,12 @@ class StepOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_tokens: int, max_batch_size: int,
                  max_model_len: int, has_drafter: bool, eos_token_ids: tuple[int, ...],
-                 shape: ChainShape | TreeShape | None = None, states=None):
+                 shape: ChainShape | TreeShape | None = None, states=None,
+                 sliding_window: int | None = None):
         self.pool = pool
+        # every attention layer's window (target and drafter alike), or None: blocks
+        # behind it are released while the request runs
+        self.sliding_window = sliding_window
         self.states = states      # StatePool of a hybrid target (state_pool.py), or None
         self.shape = shape or ChainShape(has_drafter)   # rows and slots a step takes
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
@@ -127,10 +133,11 @@ class Scheduler:
             end = start + length
             is_last = end == req.num_tokens
             slots = self._ctx_slots(end, is_last, k)
-            if not self.pool.can_admit(hits, slots) or \
+            behind = self._blocks_behind_window(start)     # hits the chunk cannot see
+            if not self.pool.can_admit(hits, slots, behind) or \
                     (self.states is not None and not self.states.num_free):
                 break
-            self.pool.admit(req, hits, slots)
+            self.pool.admit(req, hits, slots, behind)
             if self.states is not None:
                 req.state_slot = self.states.allocate()
             req.num_computed = start
@@ -156,9 +163,17 @@ class Scheduler:
         self.pool.allocate(req.block_table, slots)
         return True
 
+    def _blocks_behind_window(self, num_computed: int) -> int:
+        """How many leading blocks no row at a position >= num_computed reads (0 without
+        a sliding window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.pool.block_size
+
     def _preempt(self, req: Request):
         self.running.remove(req)
         self.pool.free(req.block_table)
+        req.released_blocks = 0
         self._free_state(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
@@ -183,6 +198,7 @@ class Scheduler:
                 req.prompt_logprobs = (req.prompt_logprobs or []) + out.prompt_logprobs[i]
             if not chunk.is_last:
                 self.pool.cache_blocks(req)
+                self._release_behind_window(req)
                 continue
             req.in_context = False
             req.metrics.target_steps += 1
@@ -213,7 +229,22 @@ class Scheduler:
             self.pool.cache_blocks(req)       # before a finished request releases them
             if req.is_finished:
                 self._release(req)
+            else:
+                self._release_behind_window(req)    # (after cache_blocks: cached first)
         return advanced
+
+    def _release_behind_window(self, req: Request):
+        """Gives back req's blocks that lie wholly behind its window. Every row a later
+        step runs for req (prefill chunk, verify row, draft row; the step already in flight
+        under the overlap scheduler too) is at a position p >= num_computed and sees keys
+        j > p - window, so no key before num_computed - window + 1 is read again: the
+        blocks before the one holding it are released (their table entries then name the
+        scratch block, which the window's mask hides). A rewind never goes below
+        num_computed, and a preempted request recomputes from 0 in fresh blocks."""
+        first_seen = self._blocks_behind_window(req.num_computed)
+        if first_seen > req.released_blocks:
+            self.pool.release_range(req.block_table, req.released_blocks, first_seen)
+            req.released_blocks = first_seen
 
     def _append(self, req: Request, tokens: list[int], logprobs: dict | None = None,
                 rows=()) -> int:
@@ -259,6 +290,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.pool.free(req.block_table)
+        req.released_blocks = 0
         self._free_state(req)
         req.draft_tokens = []
         req.features.release()

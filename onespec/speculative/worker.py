@@ -269,8 +269,8 @@ class SpecWorker:
         elif step > 0:
             loop.pos = loop.pos + 1
             loop.meta = build_attention_metadata(
-                loop.block_tables, 1, loop.pos, inp.block_size, inp.max_kv_draft, None,
-                self.attn_backend) if loop.meta is None else \
+                loop.block_tables, 1, loop.pos, inp.block_size, inp.max_kv_draft,
+                inp.meta.sliding_window, self.attn_backend) if loop.meta is None else \
                 advance_decode_metadata(loop.meta, loop.pos)
             loop.h = self.drafter.forward(loop.tokens[-1], loop.pos, loop.h, loop.meta,
                                           step=step)

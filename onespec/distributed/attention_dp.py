@@ -168,7 +168,8 @@ class RankedBlockPool(BlockPool):
         need = self.num_blocks_needed(block_table, num_slots)
         return need <= len(self.rank_free[self.rank_of(block_table)])
 
-    def can_admit(self, hits, num_slots: int) -> bool:
+    def can_admit(self, hits, num_slots: int, skip: int = 0) -> bool:
+        """(No prefix cache, so no hits; no sliding targets, so nothing to skip.)"""
         return not hits and self.can_allocate([], num_slots)
 
     def allocate(self, block_table: list[int], num_slots: int):

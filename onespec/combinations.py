@@ -35,6 +35,8 @@ SLIDING = "a target with a sliding window"
 TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree masks (MLA)"
 FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
 HYBRID = "a hybrid target (recurrent layers)"
+FP8_KV = "kv_cache_dtype='fp8'"
+MLA = "an MLA target (latent KV cache: DeepSeek-V3, Kimi, GLM-4.7-Flash)"
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ REFUSED = (
     Refusal(TREE, HYBRID, "a tree verify would need a recurrent state per tree node; use "
                           "chain drafting"),
     Refusal(HYBRID, TP, "recurrent layers are not split over ranks yet"),
+    Refusal(FP8_KV, MLA, "the latent cache is kept in the model's dtype; use "
+                         "kv_cache_dtype='auto'"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
@@ -107,10 +111,16 @@ def spec_features(sc) -> set[str]:
 
 
 def engine_features(engine_config, target_cls=None, sliding_window=None,
-                    fp8_checkpoint: bool = False, recurrent: bool = False) -> set[str]:
+                    fp8_checkpoint: bool = False, recurrent: bool = False,
+                    latent_cache: bool = False) -> set[str]:
     """The features of the engine's options and of the target (its class, its window,
-    whether its checkpoint is FP8, whether it has recurrent layers)."""
+    whether its checkpoint is FP8, whether it has recurrent layers, whether its layers
+    keep MLA latents)."""
     on = set()
+    if getattr(engine_config, "kv_cache_dtype", "auto") == "fp8":
+        on.add(FP8_KV)
+    if latent_cache:
+        on.add(MLA)
     if getattr(engine_config, "quantization", None) is not None or fp8_checkpoint:
         on.add(FP8_WEIGHTS)
     if recurrent or getattr(target_cls, "recurrent", False):

@@ -27,8 +27,23 @@ def _cache_value(x, inv_scale, CACHE, dt, KV_FP8: tl.constexpr):
     1 / scale in float32, clamped to the e4m3 range (quant/kv_fp8.py quantize_kv)."""
     if KV_FP8:
         y = tl.clamp(x.to(dt).to(tl.float32) * inv_scale, -448.0, 448.0)
-        return y.to(CACHE.dtype.element_ty)
+        return _round_e4m3(y).to(CACHE.dtype.element_ty)
     return x.to(CACHE.dtype.element_ty)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (float32, within ±448) rounded to the nearest e4m3 value, ties to even, in float32
+    arithmetic, so the cast after it is exact: the cast's own rounding is right on the GPU,
+    but Triton's interpreter drops the carry when rounding up crosses a power of two
+    (0.4953 -> 0.25). Normal values keep 3 mantissa bits (integer rounding of the float's
+    bits); below 2^-6 (e4m3 subnormals) the step is 2^-9."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    z = tl.abs(y) * 512.0
+    sub = ((z + 12582912.0) - 12582912.0) * (1.0 / 512.0)     # round to an integer (RNE)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
 
 
 @triton.jit

@@ -93,6 +93,9 @@ def test_pool_is_float8_and_a_block_costs_half(kv_pair):
         assert pool.numel() * pool.element_size() == \
             per_block[kv] * (llm.engine.pool.num_blocks + 1)
     assert per_block["auto"] == 2 * per_block["fp8"]
+    from onespec.engine.summary import summary_lines
+    assert "e4m3 with per-layer k/v scales" in "\n".join(summary_lines(engines["fp8"].engine))
+    assert "e4m3" not in "\n".join(summary_lines(engines["auto"].engine))
     # the same memory budget sizes twice the blocks (the pool's rule: budget // per block)
     budget = 1000 * per_block["auto"]
     assert budget // per_block["fp8"] == 2 * (budget // per_block["auto"])

@@ -4,7 +4,8 @@ float32 scale per layer for keys and one for values.
 A value x is stored as q = e4m3(clamp(x * (1 / scale), ±448)) and read as q * scale, in
 float32, then cast to the compute dtype. The PyTorch path (layers/ops.py) is the reference;
 the Triton rotary + KV-write kernels (kernels/rope_kv.py) quantize with the same arithmetic
-and the paged attention kernel (kernels/attention.py) dequantizes its key and value tiles.
+(the same bytes), and the paged attention kernel (kernels/attention.py) reads e4m3 tiles,
+folding k_scale into its softmax scale and applying v_scale to its result.
 
 Scales come from the target checkpoint where it has them, else 1.0 (as vLLM does). Keys of
 published FP8-KV checkpoints, per attention module `P` (e.g. model.layers.0.self_attn):

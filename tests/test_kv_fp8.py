@@ -281,3 +281,38 @@ if triton is not None:
     def _round_kernel(X, Y, N: tl.constexpr):
         d = tl.arange(0, N)
         tl.store(Y + d, _round_e4m3(tl.load(X + d)).to(Y.dtype.element_ty))
+
+
+@pytest.mark.parametrize("layout", ["decode", "verify", "prefill", "sinks+window"])
+@torch.inference_mode()
+def test_triton_attention_over_fp8_cache_matches_portable_path(layout):
+    """The paged attention kernel over e4m3 caches with scales != 1 (k_scale folded into
+    the softmax scale, v_scale applied to the result) against the portable path's
+    dequantize-then-attend: decode rows (split keys), 4-row verifies, a prefill chunk
+    with its packs, and gpt-oss's sinks with a layer window."""
+    if triton is None:
+        pytest.skip("needs triton")
+    from onespec.kernels.settings import KernelSettings
+    from onespec.layers.attention import build_attention_metadata
+    from onespec.layers.ops import TORCH_OPS, make_ops
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 16, 8
+    tables = torch.randperm(24, generator=gen).view(2, 12).to(device)
+    scales = (0.25, 3.0)
+    kc, vc = (quantize_kv(torch.randn(24 * bs, kv_heads, dim, generator=gen), s).to(device)
+              for s in scales)
+    q_lens, starts = {"decode": ([1, 1], [70, 9]), "verify": ([4, 4], [60, 3]),
+                      "prefill": ([20, 1], [40, 90]), "sinks+window": ([1, 4], [80, 20])}[layout]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)]).to(device)
+    q = torch.randn(len(positions), heads, dim, generator=gen).to(device)
+    extras = dict(sinks=torch.randn(heads, generator=gen).to(device), window=16) \
+        if layout == "sinks+window" else {}
+    outs = []
+    for backend, ops in (("torch", TORCH_OPS), ("triton", make_ops(KernelSettings(triton=True)))):
+        meta = build_attention_metadata(tables, q_lens if layout == "prefill" else q_lens[0]
+                                        if len(set(q_lens)) == 1 else q_lens, positions, bs,
+                                        int(positions.max()) + 1, None, backend)
+        outs.append(ops.cached_attention(q, kc, vc, meta, dim ** -0.5, kv_scales=scales,
+                                         **extras))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from onespec.quant.kv_fp8 import read_kv
+
 BACKENDS = ("torch", "triton")
 
 
@@ -154,7 +156,6 @@ def windowed_attention(q: torch.Tensor,              # [T, Hq, D]
     more softmax column of logit sinks[h], dropped after normalisation, so the weights on
     the keys sum to less than one. Scores and softmax in float32. kv_scales: e4m3 caches
     (quant/kv_fp8.py), dequantized as they are read. -> [T, Hq, D]"""
-    from onespec.quant.kv_fp8 import read_kv
     k_scale, v_scale = kv_scales or (None, None)
     keys = read_kv(k_cache, meta.kv_slots, k_scale, q.dtype)              # [B, KV, Hkv, D]
     values = read_kv(v_cache, meta.kv_slots, v_scale, q.dtype)

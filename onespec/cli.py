@@ -113,6 +113,9 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the target's linears and experts to e4m3 per output "
                         "channel at load (an FP8 checkpoint loads as it is without it)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the paged KV cache: auto (the model's dtype) or fp8 (e4m3 with per-"
+                        "layer k/v scales from the checkpoint, else 1.0; half the bytes)")
     p.add_argument("--draft-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "fp8"],
                    help="the drafter's weights (--draft's head; --mtp's layers: auto or "
@@ -289,7 +292,7 @@ def build_llm(args):
     import torch
     try:
         return LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
-                   quantization=args.quantization,
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
                    max_batch_size=args.max_batch_size, num_kv_blocks=args.num_kv_blocks,
                    enable_prefix_caching=args.enable_prefix_caching,

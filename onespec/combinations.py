@@ -39,6 +39,8 @@ TRITON_NO_TREE_MASKS = "attention_backend='triton' on a target without tree mask
 FP8_WEIGHTS = "FP8 weights (quantization='fp8' or an FP8 checkpoint)"
 HYBRID = "a hybrid target (recurrent layers)"
 HOST_SYNCED_EXPERTS = "a target whose experts sync with the host (Nemotron-H's ungated experts)"
+FP8_KV = "kv_cache_dtype='fp8'"
+MLA = "an MLA target (latent KV cache: DeepSeek-V3, Kimi, GLM-4.7-Flash)"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ REFUSED = (
                              "MTPConfig or NGramConfig"),
     Refusal(ATTN_DP, TRITON, "each rank finds its requests' rows in the portable backend's "
                              "metadata; use attention_backend='torch'"),
+    Refusal(FP8_KV, MLA, "the latent cache is kept in the model's dtype; use "
+                         "kv_cache_dtype='auto'"),
 )
 
 # features under which the generation step runs eagerly (cuda_graphs is then ignored)
@@ -120,11 +124,15 @@ def spec_features(sc) -> set[str]:
 
 def engine_features(engine_config, target_cls=None, sliding_window=None,
                     fp8_checkpoint: bool = False, recurrent: bool = False,
-                    host_synced_experts: bool = False) -> set[str]:
+                    host_synced_experts: bool = False, latent_cache: bool = False) -> set[str]:
     """The features of the engine's options and of the target (its class, its window,
     whether its checkpoint is FP8, whether it has recurrent layers, whether its experts
-    sync with the host)."""
+    sync with the host, whether its layers keep MLA latents)."""
     on = set()
+    if getattr(engine_config, "kv_cache_dtype", "auto") == "fp8":
+        on.add(FP8_KV)
+    if latent_cache:
+        on.add(MLA)
     if getattr(engine_config, "quantization", None) is not None or fp8_checkpoint:
         on.add(FP8_WEIGHTS)
     if recurrent or getattr(target_cls, "recurrent", False):

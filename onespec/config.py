@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onespec.combinations import DFLASH, TREE, check_combinations, spec_features
+from onespec.quant.kv_fp8 import check_kv_cache_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # what weights may be quantized to at load (quant/fp8.py): None keeps the checkpoint's
@@ -58,6 +59,9 @@ class EngineConfig:
     # "fp8": quantize a bf16/fp32 checkpoint's linears and experts to e4m3 per output
     # channel at load (an FP8 checkpoint loads as it is quantized either way)
     quantization: str | None = None
+    # the paged KV cache's dtype: "auto" (the model's) or "fp8" (e4m3 with per-tensor k
+    # and v scales per layer, from the checkpoint or 1.0; quant/kv_fp8.py), as vLLM spells it
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -72,6 +76,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

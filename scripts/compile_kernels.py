@@ -94,7 +94,7 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     qkv_cfg = gv.default_tiling(6144, 4096, False)
     qkv_types = {**ptrs, "COS_SIN": "*fp32", "POSITIONS": "*i64", "ROT_POS": "*i64",
                  "BLOCK_TABLES": "*i64", "TOKEN_REQ": "*i64", "Q_OUT": "*bf16",
-                 "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
+                 "K_CACHE": "*bf16", "V_CACHE": "*bf16", "k_inv": "fp32", "v_inv": "fp32"}
     qkv = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "PAIRS": 16, "BLOCK_SIZE": 16,
            "BLOCK_K": qkv_cfg[1], "PRE": 1, "BLOCK_P": 128, "HAS_BIAS": False,
            "PRENORMED": True, "IEEE": False, "PDL": pdl, "ROWS": 16}
@@ -103,6 +103,9 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     stages32 = gv.stages_for_rows(qkv_cfg[0], qkv_cfg[1], qkv_cfg[3], 32, 2, 2, SMEM_LIMIT)
     yield ("qkv + rotary + KV write (prenormed), 32-row tile", rk._qkv_rope_kernel,
            qkv_types, {**qkv, "ROWS": 32}, (qkv_cfg[2], stages32))
+    yield ("qkv + rotary + e4m3 KV write (kv_cache_dtype='fp8')", rk._qkv_rope_kernel,
+           {**qkv_types, "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv"},
+           {**qkv, "KV_FP8": True}, qkv_cfg[2:])
     yield ("argmax reduce", gv._argmax_reduce_kernel,
            {"VAL": "*fp32", "IDX": "*i32", "OFFSETS": "*i64", "OUT": "*i64"},
            {"BLOCK_P": 1024, "HAS_OFFSETS": True, "PDL": pdl},
@@ -140,15 +143,21 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
     rope = {n: "*bf16" for n in ("QKV", "Q_NORM_W", "K_NORM_W", "Q_OUT", "K_CACHE",
                                  "V_CACHE")}
     rope.update(COS_SIN="*fp32", POSITIONS="*i64", ROT_POS="*i64", BLOCK_TABLES="*i64",
-                TOKEN_REQ="*i64", eps="fp32")
+                TOKEN_REQ="*i64", eps="fp32", k_inv="fp32", v_inv="fp32")
     yield ("rope_and_cache qk-norm", rk._rope_cache_kernel, rope,
            {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
             "QK_NORM": True, "PDL": pdl},
            (1, 3))
+    yield ("rope_and_cache qk-norm, e4m3 KV write", rk._rope_cache_kernel,
+           {**rope, "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv"},
+           {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "BLOCK_SIZE": 16,
+            "QK_NORM": True, "PDL": pdl, "KV_FP8": True},
+           (1, 3))
     attn = {n: "*bf16" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")}
     attn.update(BLOCK_TABLES="*i64", TOKEN_REQ="*i64", POSITIONS="*i64", PART_O="*fp32",
                 PART_ML="*fp32", TICKETS="*i32", TREE_MASK="*i8", TREE_BASE="*i64",
-                ROW_PACKS="*i32", SINKS="*fp32", scale="fp32")
+                ROW_PACKS="*i32", SINKS="*fp32", scale="fp32",
+                v_scale="fp32")
     base = {"GROUP": 4, "ROWS": 1, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
             "BLOCK_SIZE": 16, "RPR": 0, "RPR_PAD": 1, "PDL": pdl, "MERGE_ROWS": 4, "TREE": False}
     pre_n, pre_warps, pre_stages = ta.PREFILL_CONFIG
@@ -191,6 +200,16 @@ def cases(arch: int, extra_linear: list[tuple[int, ...]] = ()):
            {**base, "GROUP": 8, "GROUP_PAD": 16, "HEAD_DIM": 64, "DIM_PAD": 64,
             "BLOCK_N": rows_n, "SPLITS": capped(4), "RPR": 1, "IEEE": False,
             "HAS_SINKS": True}, (rows_warps, rows_stages))
+    fp8_kv = {**attn, "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv"}
+    yield ("attention bf16 decode over an e4m3 cache (split keys, 4-row verify packs)",
+           ta._paged_attention_kernel, fp8_kv,
+           {**base, "ROWS": 4, "BLOCK_N": rows_n, "SPLITS": capped(16), "RPR": 4,
+            "RPR_PAD": 4, "IEEE": False, "MERGE_ROWS": 16, "KV_FP8": True},
+           (rows_warps, rows_stages))
+    yield ("attention bf16 prefill over an e4m3 cache", ta._paged_attention_kernel, fp8_kv,
+           {**base, "ROWS": pre_rows, "GROUP_PAD": 4 * pre_rows, "BLOCK_N": pre_n,
+            "SPLITS": 1, "IEEE": False, "VARLEN": True, "KV_FP8": True},
+           (pre_warps, pre_stages))
     yield ("attention float32 (tests)", ta._paged_attention_kernel,
            {**{n: "*fp32" for n in ("Q", "K_CACHE", "V_CACHE", "OUT")},
             **{k: v for k, v in attn.items() if k not in ("Q", "K_CACHE", "V_CACHE", "OUT")}},

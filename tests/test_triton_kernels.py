@@ -810,7 +810,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 42
+    assert len(rows) == 46
     for row in rows:
         assert row["fits"] and row["shared_bytes"] <= 232448, row
         # gdc_wait + launch_dependents (the MoE targets' kernels follow PyTorch operations)
@@ -821,6 +821,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert by_name["attention bf16 decode (split keys, 1 row per request)"][
         "global_loads_before_wait"] > 0
     assert by_name["attention bf16 prefill"]["global_loads_before_wait"] == 0
+    # ... over an e4m3 cache too (kv_cache_dtype="fp8")
+    assert by_name["attention bf16 decode over an e4m3 cache (split keys, 4-row verify "
+                   "packs)"]["global_loads_before_wait"] > 0
     # the fused qkv reads positions, slots and cos/sin before the wait
     qkv = by_name["qkv + rotary + KV write (prenormed)"]
     assert qkv["global_loads_before_wait"] > 8

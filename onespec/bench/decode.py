@@ -92,6 +92,9 @@ def parse_args(argv):
     p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
                    help="target weights: fp8 = e4m3 per output channel, fp8-block = e4m3 "
                         "per 128 x 128 block (an FP8 checkpoint's layout, experts included)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the KV cache in e4m3 (scale 1.0: random weights); the floor "
+                        "counts its one byte a value")
     p.add_argument("--draft-dtype", default="auto",
                    choices=["auto", "bfloat16", "float16", "float32", "fp8"],
                    help="the head's weights (MTP: auto or fp8); fp8: e4m3 per output channel")
@@ -242,6 +245,7 @@ def build_llm(target_dir, head_dir, k_max: int, args, max_tokens: int, auto: boo
     quantization = "fp8" if getattr(args, "quantization", None) == "fp8" else None
     return LLM(target_dir, speculative_config=spec, load_format="dummy", dtype=args.dtype,
                quantization=quantization,
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                device=args.device, max_batch_size=batch, max_model_len=max_model_len,
                max_num_tokens=max(MIN_STEP_TOKENS, batch * shape.verify_rows(k_max)),
                block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1, seed=args.seed,
@@ -365,6 +369,7 @@ def make_emitter(args, model_label: str, device_name: str, rows: list | None = N
     """emit(row): one JSON line to stdout (and --out); `rows` collects what was emitted."""
     head = {"bench": args.which, "model": model_label, "weights": "random", "dtype": args.dtype,
             "quantization": getattr(args, "quantization", None),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "draft_dtype": getattr(args, "draft_dtype", "auto")}
     shape = getattr(args, "shape", None)
     if shape is not None and "index_n_heads" in target_config(shape):   # the A/B's arm

@@ -10,7 +10,7 @@ import torch
 
 from onespec.engine.prefix_cache import CachedBlock, PrefixCache
 from onespec.engine.request import Request
-from onespec.quant.fp8 import linear_dtype
+from onespec.quant.kv_fp8 import cache_dtype
 
 
 class BlockPool:
@@ -153,26 +153,28 @@ def target_attention_layers(model) -> list:
 
 def kv_bytes_per_block(attn_layers, block_size: int) -> int:
     """A layer may define cache_bytes_per_token() (e.g. MLA's latent cache); otherwise it
-    holds k_cache and v_cache of [slots, Hkv, D]."""
+    holds k_cache and v_cache of [slots, Hkv, D] in its cache dtype (1 byte a value under
+    kv_cache_dtype="fp8": quant/kv_fp8.py configure_kv_cache runs first)."""
     return sum(block_size * (a.cache_bytes_per_token() if hasattr(a, "cache_bytes_per_token")
-                             else 2 * a.num_kv_heads * a.head_dim * linear_dtype(a.o_proj).itemsize)
+                             else 2 * a.num_kv_heads * a.head_dim * cache_dtype(a).itemsize)
                for a in attn_layers)
 
 
 def allocate_kv_cache(attn_layers, num_blocks: int, block_size: int, device):
-    """Gives each attention layer its slice of one block pool, in the layer's own dtype (a
-    draft head may run in a lower precision than its target). The layers of one call that
-    share a shape and dtype share one tensor [2, layers, slots, Hkv, D] (`kv_pool`; each
-    layer's k_cache and v_cache are views of its slices), so an operation on the cache
-    entries of every layer at once is one launch (tree.compact_cache). A layer with its
-    own cache layout defines allocate_cache(num_slots, device)."""
+    """Gives each attention layer its slice of one block pool, in the layer's cache dtype
+    (a draft head may run in a lower precision than its target; e4m3 under
+    kv_cache_dtype="fp8"). The layers of one call that share a shape and dtype share one
+    tensor [2, layers, slots, Hkv, D] (`kv_pool`; each layer's k_cache and v_cache are
+    views of its slices), so an operation on the cache entries of every layer at once is
+    one launch (tree.compact_cache). A layer with its own cache layout defines
+    allocate_cache(num_slots, device)."""
     slots = num_blocks * block_size
     groups: dict[tuple, list] = {}
     for a in attn_layers:
         if hasattr(a, "allocate_cache"):
             a.allocate_cache(slots, device)
         else:
-            groups.setdefault((a.num_kv_heads, a.head_dim, linear_dtype(a.o_proj)),
+            groups.setdefault((a.num_kv_heads, a.head_dim, cache_dtype(a)),
                               []).append(a)
     for (heads, dim, dtype), layers in groups.items():
         pool = zeros_on_write((2, len(layers), slots, heads, dim), dtype, device)

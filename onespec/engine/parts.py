@@ -19,6 +19,7 @@ from onespec.distributed.attention_dp import set_rank_slots
 from onespec.distributed.layers import tensor_parallel_ops
 from onespec.engine.kv_cache import (allocate_kv_cache, kv_bytes_per_block,
                                      target_attention_layers, window_blocks)
+from onespec.quant.kv_fp8 import configure_kv_cache
 from onespec.engine.state_pool import StatePool, state_bytes
 from onespec.engine.memory import available_bytes, require_bytes
 from onespec.kernels.settings import KernelSettings
@@ -73,8 +74,10 @@ class RankParts:
         model = b.load_target()
         mcfg = model.config
         recurrent = getattr(model, "recurrent", False)
+        latent = any(hasattr(a, "allocate_cache") for a in target_attention_layers(model))
         check_combinations(features | engine_features(config, sliding_window=target_window(mcfg),
-                                                      recurrent=recurrent))
+                                                      recurrent=recurrent,
+                                                      latent_cache=latent))
         if (config.max_model_len or 0) > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
@@ -97,6 +100,9 @@ class RankParts:
         draft_layers = drafter.attention_layers if drafter else []
         if drafter:
             drafter.head.setup_rotary(max_positions, b.device)
+        # every layer's cache dtype and FP8 scales, before the pool is sized (1 byte a value
+        # under kv_cache_dtype="fp8"; draft layers too)
+        configure_kv_cache(target_layers + draft_layers, config.kv_cache_dtype)
         blocks_per_seq = -(-(max_model_len + shape.gen_slots(k)) // config.block_size)
         if mcfg.sliding_window is not None:    # blocks behind the window go back
             blocks_per_seq = min(blocks_per_seq, window_blocks(

@@ -78,6 +78,7 @@ def summary_lines(engine) -> list[str]:
         + (f"in {ranks} ranks' pools " if cfg.enable_attention_dp else "")
         + f"({num_blocks * cfg.block_size} tokens, {_bytes(num_blocks * per_block)}"
         + (", pages taken as blocks are written" if engine.device.type == "cpu" else "")
+        + (", e4m3 with per-layer k/v scales" if cfg.kv_cache_dtype == "fp8" else "")
         + f"); max_model_len {engine.max_model_len}, max_batch_size {cfg.max_batch_size}, "
         f"max_num_tokens {cfg.max_num_tokens}",
         f"attention: {'triton' if engine.kernel_settings.triton else 'torch'}; "

@@ -174,13 +174,14 @@ def _paged_attention_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, TOKEN_REQ, POSITIONS, OUT, PART_O, PART_ML, TICKETS,
         TREE_MASK, TREE_BASE, ROW_PACKS, SINKS,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
-        stride_tm, scale, window, num_kv_heads, tree_width,
+        stride_tm, scale, window, num_kv_heads, tree_width, v_scale,
         GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, RPR: tl.constexpr,
         RPR_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
         MERGE_ROWS: tl.constexpr = 16, TREE: tl.constexpr = False,
-        VARLEN: tl.constexpr = False, HAS_SINKS: tl.constexpr = False):
+        VARLEN: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+        KV_FP8: tl.constexpr = False):
     if RPR == 0:
         pdl_start(PDL)    # nothing known about the rows: wait for the previous kernel first
     pack = tl.program_id(0)           # ROWS consecutive rows of one request
@@ -233,6 +234,11 @@ def _paged_attention_kernel(
     else:
         k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)          # [N, D]
         v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
+    # an e4m3 cache's tiles in the queries' dtype (exact; a no-op for a 16-bit cache): its
+    # k_scale is folded into `scale` by the launch, its v_scale applied to the result
+    dt = Q.dtype.element_ty
+    k = k.to(dt)
+    v = v.to(dt)
     q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=rows_mask, other=0.0)                              # [G, D]
     if HAS_SINKS:
@@ -255,10 +261,12 @@ def _paged_attention_kernel(
         n, kv_off, kv_mask = _tile_offsets(BLOCK_TABLES, req, stride_bt, t, lo_min, pos_max,
                                            kv_head, stride_ct, stride_ch, d, d_ok, BLOCK_SIZE,
                                            BLOCK_N)
-        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(K_CACHE + kv_off, mask=kv_mask, other=0.0).to(dt)
+        v = tl.load(V_CACHE + kv_off, mask=kv_mask, other=0.0).to(dt)
         m, l, acc = _attend_tile(q, k, v, n, pos, lo, scale, m, l, acc, IEEE, TREE,
                                  TREE_MASK, row, g_ok, base, stride_tm, tree_width)
+    if KV_FP8:
+        acc = acc * v_scale           # (the sum is linear in the values; splits merge it)
     out_ptrs = OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLITS == 1:
         _store_normalised(out_ptrs, acc, l, rows_mask)
@@ -437,7 +445,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
                     tree_mask: torch.Tensor | None = None,
                     tree_base: torch.Tensor | None = None,
                     packs: Callable[[int], torch.Tensor | None] | None = None,
-                    sinks: torch.Tensor | None = None):
+                    sinks: torch.Tensor | None = None,
+                    kv_scales: tuple[float, float] | None = None):
     """q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [B, nb]; token_req/positions [T].
     Returns [T, Hq, D]. Keys for the rows' own positions must already be in the cache.
     pdl: launch with programmatic dependent launch. config: (BLOCK_N, num_warps,
@@ -465,7 +474,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
     depend on its pack (as above).
 
     sinks [Hq] (gpt-oss's attention sinks): each head's softmax has one more logit,
-    sinks[h], whose value is zero: the weights on the keys sum to less than one."""
+    sinks[h], whose value is zero: the weights on the keys sum to less than one.
+
+    kv_scales (k_scale, v_scale): the caches are e4m3 (kv_cache_dtype="fp8"); key and value
+    tiles are converted to q's dtype as they are loaded (exact), k_scale multiplies the
+    softmax scale and v_scale the result (the same sums as dequantizing each key and value
+    first, rounded differently)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -524,14 +538,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, sca
         sinks.float().contiguous() if sinks is not None else out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        tree_mask.stride(0) if tree else 0, scale, window or NO_WINDOW,
-        num_kv_heads, tree_mask.shape[1] if tree else 0,
+        tree_mask.stride(0) if tree else 0, scale * (kv_scales[0] if kv_scales else 1.0),
+        window or NO_WINDOW, num_kv_heads, tree_mask.shape[1] if tree else 0,
+        kv_scales[1] if kv_scales else 1.0,
         GROUP=group, ROWS=pack, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         RPR=rpr, RPR_PAD=triton.next_power_of_2(max(rpr, 1)),
         IEEE=q.dtype == torch.float32 or INTERPRETED, PDL=pdl,
         MERGE_ROWS=triton.next_power_of_2(pack * group), TREE=tree, VARLEN=varlen,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, KV_FP8=kv_scales is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_launch(pdl))

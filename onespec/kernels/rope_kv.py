@@ -21,11 +21,38 @@ from onespec.kernels.settings import MAX_ROWS
 
 
 @triton.jit
+def _cache_value(x, inv_scale, CACHE, dt, KV_FP8: tl.constexpr):
+    """What a cache stores of a key or value x (float32): x in the cache's dtype, or, for an
+    e4m3 cache, x rounded to the model's dtype dt as the portable path holds it, times
+    1 / scale in float32, clamped to the e4m3 range (quant/kv_fp8.py quantize_kv)."""
+    if KV_FP8:
+        y = tl.clamp(x.to(dt).to(tl.float32) * inv_scale, -448.0, 448.0)
+        return _round_e4m3(y).to(CACHE.dtype.element_ty)
+    return x.to(CACHE.dtype.element_ty)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (float32, within ±448) rounded to the nearest e4m3 value, ties to even, in float32
+    arithmetic, so the cast after it is exact: the cast's own rounding is right on the GPU,
+    but Triton's interpreter drops the carry when rounding up crosses a power of two
+    (0.4953 -> 0.25). Normal values keep 3 mantissa bits (integer rounding of the float's
+    bits); below 2^-6 (e4m3 subnormals) the step is 2^-9."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    z = tl.abs(y) * 512.0
+    sub = ((z + 12582912.0) - 12582912.0) * (1.0 / 512.0)     # round to an integer (RNE)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+
+
+@triton.jit
 def _rope_cache_kernel(
         QKV, COS_SIN, POSITIONS, ROT_POS, BLOCK_TABLES, TOKEN_REQ, Q_NORM_W, K_NORM_W, Q_OUT,
         K_CACHE, V_CACHE, stride_qkv, stride_cs, stride_qt, stride_qh, stride_ct, stride_ch,
-        stride_bt, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        stride_bt, eps, k_inv, v_inv, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+        KV_FP8: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)              # q heads, then kv heads
@@ -62,11 +89,19 @@ def _rope_cache_kernel(
         block = tl.load(BLOCK_TABLES + req * stride_bt + pos // BLOCK_SIZE).to(tl.int64)
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         dst = slot * stride_ct + kv_head * stride_ch
-        tl.store(K_CACHE + dst + d, o1.to(K_CACHE.dtype.element_ty))
-        tl.store(K_CACHE + dst + HALF + d, o2.to(K_CACHE.dtype.element_ty))
+        qdt = Q_OUT.dtype.element_ty
+        tl.store(K_CACHE + dst + d, _cache_value(o1, k_inv, K_CACHE, qdt, KV_FP8))
+        tl.store(K_CACHE + dst + HALF + d, _cache_value(o2, k_inv, K_CACHE, qdt, KV_FP8))
         v = QKV + row * stride_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * 2 * HALF
-        tl.store(V_CACHE + dst + d, tl.load(v + d))
-        tl.store(V_CACHE + dst + HALF + d, tl.load(v + HALF + d))
+        if KV_FP8:
+            tl.store(V_CACHE + dst + d,
+                     _cache_value(tl.load(v + d).to(tl.float32), v_inv, V_CACHE, qdt, True))
+            tl.store(V_CACHE + dst + HALF + d,
+                     _cache_value(tl.load(v + HALF + d).to(tl.float32), v_inv, V_CACHE, qdt,
+                                  True))
+        else:
+            tl.store(V_CACHE + dst + d, tl.load(v + d))
+            tl.store(V_CACHE + dst + HALF + d, tl.load(v + HALF + d))
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -74,11 +109,13 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, q_norm_weight=None, k_norm_weight=None,
                    eps: float = 1e-6, *, rotary_positions: torch.Tensor | None = None,
-                   pdl: bool = False) -> torch.Tensor:
+                   pdl: bool = False,
+                   kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache slot
     of each row's position in its request's (token_req [T]) block table [B, nb].
     rotary_positions [T]: rotate at these instead (a dynamic tree's rows: prefix length +
-    depth, while row i of the block is cached at prefix length + i)."""
+    depth, while row i of the block is cached at prefix length + i). kv_scales (k_scale,
+    v_scale): the caches are e4m3 (kv_cache_dtype="fp8"), written quantized."""
     t = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -91,8 +128,10 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         q_norm_weight if qk_norm else cos_sin, k_norm_weight if qk_norm else cos_sin,
         q, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), eps,
+        *inverse_scales(kv_scales),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-        BLOCK_SIZE=block_size, QK_NORM=qk_norm, PDL=pdl, num_warps=1, **pdl_launch(pdl))
+        BLOCK_SIZE=block_size, QK_NORM=qk_norm, PDL=pdl, KV_FP8=kv_scales is not None,
+        num_warps=1, **pdl_launch(pdl))
     return q
 
 
@@ -100,12 +139,12 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 def _qkv_rope_kernel(
         X, W, BIAS, SS_IN, COS_SIN, POSITIONS, ROT_POS, BLOCK_TABLES, TOKEN_REQ, Q_OUT,
         K_CACHE, V_CACHE, M, K, P_IN, stride_xm, stride_wn, stride_ss_in, stride_cs, stride_qt,
-        stride_qh, stride_ct, stride_ch, stride_bt, eps,
+        stride_qh, stride_ct, stride_ch, stride_bt, eps, k_inv, v_inv,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         PAIRS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
         PRE: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
         PRENORMED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        ROWS: tl.constexpr):
+        ROWS: tl.constexpr, KV_FP8: tl.constexpr = False):
     # Program = (head, PAIRS rotary pairs of it): its weight rows are j and HALF + j for the
     # pairs' j, so both halves of each pair land in its own tile and the rotation, and the
     # stores rope_and_cache would make, are its epilogue. It releases attention after it
@@ -152,11 +191,21 @@ def _qkv_rope_kernel(
         kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS
         dst = slot[:, None] * stride_ct + kv_head * stride_ch + j[None, :]
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            tl.store(K_CACHE + dst, o1.to(K_CACHE.dtype.element_ty), mask=mask)
-            tl.store(K_CACHE + dst + HALF, o2.to(K_CACHE.dtype.element_ty), mask=mask)
+            tl.store(K_CACHE + dst, _cache_value(o1, k_inv, K_CACHE, dt, KV_FP8), mask=mask)
+            tl.store(K_CACHE + dst + HALF, _cache_value(o2, k_inv, K_CACHE, dt, KV_FP8),
+                     mask=mask)
         else:
-            tl.store(V_CACHE + dst, o1.to(V_CACHE.dtype.element_ty), mask=mask)
-            tl.store(V_CACHE + dst + HALF, o2.to(V_CACHE.dtype.element_ty), mask=mask)
+            tl.store(V_CACHE + dst, _cache_value(o1, v_inv, V_CACHE, dt, KV_FP8), mask=mask)
+            tl.store(V_CACHE + dst + HALF, _cache_value(o2, v_inv, V_CACHE, dt, KV_FP8),
+                     mask=mask)
+
+
+def inverse_scales(kv_scales: tuple[float, float] | None) -> tuple[float, float]:
+    """(1 / k_scale, 1 / v_scale), as the portable path multiplies by them (quant/kv_fp8.py);
+    (1.0, 1.0) without an e4m3 cache (unused there)."""
+    if kv_scales is None:
+        return 1.0, 1.0
+    return tuple(torch.tensor(1.0 / s, dtype=torch.float32).item() for s in kv_scales)
 
 
 def qkv_rope_fusable(x: torch.Tensor | Prenormed, weight: torch.Tensor, head_dim: int,
@@ -175,11 +224,12 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
                        token_req: torch.Tensor, block_size: int, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, *,
                        rotary_positions: torch.Tensor | None = None,
-                       pdl: bool = False) -> torch.Tensor:
+                       pdl: bool = False,
+                       kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """gemv(x, weight, bias) followed by rope_and_cache, as one kernel (see
     qkv_rope_fusable): rotated q [M, Hq, D] returned, k and v written to the cache. The
-    same arithmetic as the two kernels, so the same results. rotary_positions: as in
-    rope_and_cache."""
+    same arithmetic as the two kernels, so the same results. rotary_positions,
+    kv_scales: as in rope_and_cache."""
     pre = x if isinstance(x, Prenormed) else None
     x = rows_contiguous(pre.x if pre else x)
     m, k = x.shape
@@ -205,11 +255,11 @@ def qkv_rope_and_cache(x: torch.Tensor | Prenormed, weight: torch.Tensor,
         pre.ss.shape[1] if pre else 0,
         x.stride(0), weight.stride(0), ss_in.stride(0), cos_sin.stride(0), q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        pre.eps if pre else 1e-6,
+        pre.eps if pre else 1e-6, *inverse_scales(kv_scales),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, PAIRS=pairs,
         BLOCK_SIZE=block_size, BLOCK_K=block_k, PRE=preload,
         BLOCK_P=triton.next_power_of_2(pre.ss.shape[1]) if pre else 1,
         HAS_BIAS=bias is not None, PRENORMED=pre is not None,
         IEEE=weight.dtype == torch.float32 or INTERPRETED, PDL=pdl, ROWS=tile,
-        num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        KV_FP8=kv_scales is not None, num_warps=warps, num_stages=stages, **pdl_launch(pdl))
     return q

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from onespec.quant.kv_fp8 import read_kv
+
 BACKENDS = ("torch", "triton")
 
 
@@ -147,13 +149,16 @@ def windowed_attention(q: torch.Tensor,              # [T, Hq, D]
                        v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float,
                        sinks: torch.Tensor | None = None,   # [Hq] sink logits
-                       window: int | None = None) -> torch.Tensor:   # [T, Hq, D]
+                       window: int | None = None,
+                       kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """The portable path's paged attention (torch metadata: kv_slots, mask) for a layer with
     its own window (keys j > p - window on top of meta's mask) and/or per-head sinks: one
     more softmax column of logit sinks[h], dropped after normalisation, so the weights on
-    the keys sum to less than one. Scores and softmax in float32."""
-    keys = k_cache[meta.kv_slots]                                          # [B, KV, Hkv, D]
-    values = v_cache[meta.kv_slots]
+    the keys sum to less than one. Scores and softmax in float32. kv_scales: e4m3 caches
+    (quant/kv_fp8.py), dequantized as they are read. -> [T, Hq, D]"""
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = read_kv(k_cache, meta.kv_slots, k_scale, q.dtype)              # [B, KV, Hkv, D]
+    values = read_kv(v_cache, meta.kv_slots, v_scale, q.dtype)
     groups = q.shape[1] // k_cache.shape[1]
     if groups > 1:
         keys = keys.repeat_interleave(groups, dim=2)

@@ -24,6 +24,7 @@ from torch import nn
 from onespec.kernels.settings import KernelSettings
 from onespec.layers.attention import AttentionMetadata, windowed_attention
 from onespec.layers.norm import RMSNorm
+from onespec.quant.kv_fp8 import kv_scales as layer_kv_scales, read_kv, write_kv
 
 
 class TorchOps:
@@ -73,21 +74,28 @@ class TorchOps:
         return out.reshape(-1, attn.q_size)
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-                        scale: float, sinks=None, window=None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D] -> [T, Hq, D]."""
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        return self.cached_attention(q, k_cache, v_cache, meta, scale, sinks, window)
+                        scale: float, sinks=None, window=None, kv_scales=None
+                        ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D] -> [T, Hq, D].
+        kv_scales (k_scale, v_scale): the caches are e4m3 (quant/kv_fp8.py)."""
+        k_scale, v_scale = kv_scales or (None, None)
+        write_kv(k_cache, meta.slot_mapping, k, k_scale)
+        write_kv(v_cache, meta.slot_mapping, v, v_scale)
+        return self.cached_attention(q, k_cache, v_cache, meta, scale, sinks, window,
+                                     kv_scales)
 
     def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata,
                          scale: float, sinks: torch.Tensor | None = None,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, kv_scales=None) -> torch.Tensor:
         """paged_attention once the rows' own keys and values are in the cache. sinks [Hq]
-        and window: a layer's own (gpt-oss; layers/attention.py windowed_attention)."""
+        and window: a layer's own (gpt-oss; layers/attention.py windowed_attention);
+        kv_scales: e4m3 caches, dequantized to q's dtype as they are read."""
         if sinks is not None or window is not None:
-            return windowed_attention(q, k_cache, v_cache, meta, scale, sinks, window)
-        keys = k_cache[meta.kv_slots].transpose(1, 2)                        # [B, Hkv, KV, D]
-        values = v_cache[meta.kv_slots].transpose(1, 2)
+            return windowed_attention(q, k_cache, v_cache, meta, scale, sinks, window,
+                                      kv_scales)
+        k_scale, v_scale = kv_scales or (None, None)
+        keys = read_kv(k_cache, meta.kv_slots, k_scale, q.dtype).transpose(1, 2)  # [B,Hkv,KV,D]
+        values = read_kv(v_cache, meta.kv_slots, v_scale, q.dtype).transpose(1, 2)
         queries = q.new_zeros(meta.kv_slots.shape[0], meta.max_q, q.shape[1], q.shape[2])
         queries[meta.token_req, meta.token_idx] = q
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
@@ -132,8 +140,10 @@ TORCH_OPS = TorchOps()
 
 
 def layer_extras(attn) -> dict:
-    """An attention layer's own sinks and window (gpt-oss), for cached_attention."""
-    return dict(sinks=getattr(attn, "sinks", None), window=getattr(attn, "window", None))
+    """An attention layer's own sinks and window (gpt-oss) and its FP8 cache's scales
+    (kv_cache_dtype="fp8"), for cached_attention."""
+    return dict(sinks=getattr(attn, "sinks", None), window=getattr(attn, "window", None),
+                kv_scales=layer_kv_scales(attn))
 
 
 def make_ops(settings: KernelSettings) -> TorchOps:

@@ -35,6 +35,7 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TorchOps, layer_extras
 from onespec.quant.fp8 import FP8Linear
+from onespec.quant.kv_fp8 import kv_scales
 
 
 def completed(x):
@@ -135,7 +136,8 @@ class TritonOps(TorchOps):
             q = qkv_rope_and_cache(x, w, b, cache_positions, rotary.cos_sin,
                                    meta.block_tables, meta.token_req, meta.block_size,
                                    attn.k_cache, attn.v_cache, attn.num_heads,
-                                   attn.num_kv_heads, pdl=self.pdl(self._x(x).device), **tree)
+                                   attn.num_kv_heads, pdl=self.pdl(self._x(x).device),
+                                   kv_scales=kv_scales(attn), **tree)
             out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale,
                                         **layer_extras(attn))
             return out.reshape(-1, attn.q_size)
@@ -146,21 +148,23 @@ class TritonOps(TorchOps):
                            meta.token_req, meta.block_size, attn.k_cache, attn.v_cache,
                            attn.num_heads, attn.num_kv_heads,
                            *((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-                             if attn.qk_norm else ()), pdl=self.pdl(qkv.device), **tree)
+                             if attn.qk_norm else ()), pdl=self.pdl(qkv.device),
+                           kv_scales=kv_scales(attn), **tree)
         out = self.cached_attention(q, attn.k_cache, attn.v_cache, meta, attn.scale,
                                     **layer_extras(attn))
         return out.reshape(-1, attn.q_size)
 
     def cached_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         sinks=None, window=None):
+                         sinks=None, window=None, kv_scales=None):
         if meta.kv_slots is not None:      # metadata built for the PyTorch path
-            return super().cached_attention(q, k_cache, v_cache, meta, scale, sinks, window)
+            return super().cached_attention(q, k_cache, v_cache, meta, scale, sinks, window,
+                                            kv_scales)
         return attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.token_req, meta.positions, scale,
             meta.block_size, window if window is not None else meta.sliding_window,
             rows_per_request=meta.rows_per_request,
             pdl=self.pdl(q.device), tree_mask=meta.tree_mask, tree_base=meta.tree_base,
-            packs=meta.row_packs, sinks=sinks)
+            packs=meta.row_packs, sinks=sinks, kv_scales=kv_scales)
 
     def routed_experts(self, experts, x, logits, router, bias=None, residual=None):
         if not self.rows(x):

@@ -244,7 +244,8 @@ class NoPEAttention(nn.Module):
         q = lin(self.q_proj, x).view(t, self.num_heads, self.head_dim)
         k = lin(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)
         v = lin(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
-        out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                       kv_scales=getattr(self, "kv_scales", None))
         return lin(self.o_proj, out.reshape(t, self.q_size))
 
 

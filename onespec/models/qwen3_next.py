@@ -199,7 +199,8 @@ class GatedAttention(nn.Module):
         q_rot, k_rot = rotary(positions, q[..., :r], k[..., :r])
         q = torch.cat([q_rot, q[..., r:]], -1)
         k = torch.cat([k_rot, k[..., r:]], -1)
-        out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.ops.paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                       kv_scales=getattr(self, "kv_scales", None))
         out = out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size))
         return lin(self.o_proj, out)
 

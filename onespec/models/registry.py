@@ -23,7 +23,7 @@ from onespec.models.nemotron_h import NemotronHForCausalLM
 from onespec.models.qwen3_moe import Qwen3MoeForCausalLM
 from onespec.models.qwen3_next import ARCHITECTURES as HYBRID_ARCHITECTURES
 from onespec.models.qwen3_next import Qwen3NextForCausalLM
-from onespec.quant import fp8
+from onespec.quant import fp8, kv_fp8
 from onespec.quant.mxfp4 import dequantized_weights
 
 TARGET_MODELS: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in ARCHITECTURES}
@@ -122,15 +122,18 @@ def load_target(path: str, device, dtype, dummy: bool = False,
         if quantization == "fp8" or declared is not None:
             fp8.quantize_model(model, block=declared.block if declared else None)
         return _fused(model.to(dtype=dtype).eval(), parallel)
-    weights = iter_weights(path)
+    what = f"checkpoint {path!r}"
+    # KV-cache scales (applied under kv_cache_dtype="fp8"; quant/kv_fp8.py)
+    kv_scales: dict = {}
+    weights = kv_fp8.collect_kv_scales(iter_weights(path), kv_scales, what)
     if mxfp4:
         weights = dequantized_weights(weights, dtype)
     if parallel is not None:        # each tensor sliced to this rank's part as it streams
         weights = shard_weights(weights, cfg, parallel)
-    what = f"checkpoint {path!r}"
     if scheme is not None:
         weights = fp8.checked_activation_scales(weights, what)
     load_weights(model, weights, rename=rename, what=what)
+    kv_fp8.attach_kv_scales(model, kv_scales, model.checkpoint_rename, what)
     if quantization == "fp8" and scheme is None:
         fp8.quantize_model(model)       # on the CPU, before the move: FP8 bytes on the device
     model = model.to(device=device, dtype=dtype).eval()

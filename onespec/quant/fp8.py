@@ -25,8 +25,9 @@ with `gate_up_proj_scale` / `down_proj_scale` the same way, one more leading dim
 
 W = q * scale (the block's or the row's), in float32, then cast to the compute dtype.
 The portable path dequantizes one layer at a time, on the fly, and is the reference;
-activation scales (`input_scale`, static or dynamic schemes alike) and KV-cache scales are
-read, checked and not applied: activations stay in the model's dtype (weight-only FP8).
+activation scales (`input_scale`, static or dynamic schemes alike) are read, checked and
+not applied: activations stay in the model's dtype (weight-only FP8). KV-cache scales are
+taken out of the weight stream first (quant/kv_fp8.py: kv_cache_dtype="fp8").
 
 `quantize_model` quantizes a loaded bf16/fp32 model per output channel
 (`LLM(..., quantization="fp8")`, and `draft_dtype="fp8"` for a drafter's layers).

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from onespec.layers.attention import AttentionMetadata
+from onespec.quant.kv_fp8 import raw
 
 
 @dataclass
@@ -188,12 +189,12 @@ def compact_cache(attn_layers, block_tables: Tensor, base: Tensor, path: Tensor,
     for layers in by_pool.values():
         pool = layers[0].kv_pool
         if len(layers) == pool.shape[1]:    # every layer of the pool: one move for all
-            flat = pool.flatten(0, 1)                                 # [2 L, slots, Hkv, D]
+            flat = raw(pool).flatten(0, 1)                            # [2 L, slots, Hkv, D]
             flat.index_copy_(1, dst, flat.index_select(1, src))
         else:
             rest += layers
     for attn in rest:
-        for cache in cache_tensors(attn):
+        for cache in map(raw, cache_tensors(attn)):      # (e4m3 caches: as bytes)
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 

@@ -35,7 +35,7 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import check_rope
 from onespec.models.deepseek_v3 import MLARotary
 from onespec.models.llama import Attention, DecoderConfig, check_field_types
-from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM, Router, mlp_step
+from onespec.models.moe import GATHER_MAX_PAIRS, MoeDecoderLayer, PagedCausalLM, Router
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -261,7 +261,7 @@ class GptOssMoE(nn.Module):
         return out, None if next_norm is None else ops.norm(next_norm, out)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: GptOssConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -269,17 +269,6 @@ class GptOssDecoderLayer(nn.Module):
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMoE(cfg, ops)
         self.ops = ops
-
-    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-                last: bool = False):
-        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
-        or None), x the input norm the layer before left (or None)."""
-        ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
-        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
-        h, x = ops.add_full_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
-        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class GptOssForCausalLM(PagedCausalLM):

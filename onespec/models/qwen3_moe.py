@@ -14,7 +14,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import Experts, PagedCausalLM, Router, mlp_step
+from onespec.models.moe import Experts, MoeDecoderLayer, PagedCausalLM, Router
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -71,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         return out, None if next_norm is None else self.experts.ops.norm(next_norm, out)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,19 +80,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
         self.ops = ops
-
-    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-                last: bool = False):
-        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
-        or None), x the input norm the layer before left (or None)."""
-        ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
-        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
-        # a dense MLP's GEMVs take the norm begun; the router and experts need it whole
-        add_norm = ops.add_norm if isinstance(self.mlp, MLP) else ops.add_full_norm
-        h, x = add_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
-        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class Qwen3MoeForCausalLM(PagedCausalLM):

@@ -38,7 +38,7 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, mamba2_chunked, mamba2_scan
+from onespec.layers.recurrent import RecurrentMixer, mamba2_chunked, mamba2_scan
 from onespec.models.llama import DecoderConfig, check_field_types
 from onespec.models.moe import Float32Router, Router
 
@@ -144,16 +144,8 @@ class NemotronHConfig(DecoderConfig):
         return cls(**base, **own)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
-
-    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
-    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
-    # them in Triton's interpreter)
-    verify_kernel: bool | None = None
-    # prompt chunks run the block-parallel form (layers/recurrent.py mamba2_chunked)
-    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
-    prefill_chunk: int = 64
 
     def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
@@ -194,30 +186,18 @@ class Mamba2Mixer(nn.Module):
             [self.inner, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -self.A_log.float().exp()
-        weight = self.conv1d.weight.squeeze(1)
         gn = self.n_groups * self.state_size
         y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
-        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
-        for rows, reqs, snap, keep_all in rb.segments():
-            init = rb.initial(self.states, reqs)
-            n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
-            mixed, conv_s = causal_conv(xbc[rows].view(n, length, -1), init["conv"], weight,
-                                        keep_all, self.conv1d.bias)
+
+        def args_of(mixed, rows, n, length):
             xs, b, c = mixed.split([self.inner, gn, gn], dim=-1)
-            args = (xs.reshape(n, length, self.num_heads, self.head_dim),
+            return (xs.reshape(n, length, self.num_heads, self.head_dim),
                     dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
                     c.reshape(n, length, self.n_groups, -1), self.D)
-            if not keep_all and self.prefill_chunk:
-                out, ssm_s = mamba2_chunked(*args, init["ssm"], self.prefill_chunk)
-            elif use_kernel:
-                from onespec.kernels.recurrent import mamba2_verify
-                idx = rb.select(reqs)
-                out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],
-                                           rb.fresh[idx], keep_all)
-            else:
-                out, ssm_s = mamba2_scan(*args, init["ssm"], keep_all)
+
+        for rows, out in self.recur(rb, xbc, self.conv1d.bias, args_of, mamba2_chunked,
+                                    mamba2_scan, "mamba2_verify"):
             y[rows] = out.reshape(-1, self.inner)
-            rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         return self.ops.linear(self.out_proj, self.gated_norm(y, z).to(x.dtype))
 
 

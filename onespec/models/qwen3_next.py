@@ -42,7 +42,7 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, gated_delta_chunked, gated_delta_scan
+from onespec.layers.recurrent import RecurrentMixer, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, DecoderConfig, check_field_types
 from onespec.models.moe import Experts, PagedCausalLM, Router
@@ -204,17 +204,9 @@ class GatedAttention(nn.Module):
         return lin(self.o_proj, out)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
-
-    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
-    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
-    # them in Triton's interpreter)
-    verify_kernel: bool | None = None
-    # prompt chunks run the block-parallel form (layers/recurrent.py gated_delta_chunked)
-    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
-    prefill_chunk: int = 64
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
@@ -272,30 +264,18 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        weight = self.conv1d.weight.squeeze(1)                               # [C, W]
         core = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim)
-        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
-        for rows, reqs, snap, keep_all in rb.segments():
-            init = rb.initial(self.states, reqs)
-            n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
-            mixed, conv_s = causal_conv(qkv[rows].view(n, length, -1), init["conv"], weight,
-                                        keep_all)
+
+        def args_of(mixed, rows, n, length):
             q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            args = (q.reshape(n, length, self.num_k_heads, self.head_k_dim),
+            return (q.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     k.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     v.reshape(n, length, self.num_v_heads, self.head_v_dim),
                     g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
-            if not keep_all and self.prefill_chunk:
-                o, ssm_s = gated_delta_chunked(*args, init["ssm"], self.prefill_chunk)
-            elif use_kernel:
-                from onespec.kernels.recurrent import gated_delta_verify
-                idx = rb.select(reqs)
-                o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],
-                                              rb.fresh[idx], keep_all)
-            else:
-                o, ssm_s = gated_delta_scan(*args, init["ssm"], keep_all)
+
+        for rows, o in self.recur(rb, qkv, None, args_of, gated_delta_chunked,
+                                  gated_delta_scan, "gated_delta_verify"):
             core[rows] = o.reshape(-1, self.num_v_heads, self.head_v_dim).to(x.dtype)
-            rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         out = self.norm(core, z).reshape(x.shape[0], self.value_dim)
         return self.ops.linear(self.out_proj, out)
 

@@ -132,6 +132,27 @@ def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
 
 
 
+class SeparateProjAttention(nn.Module):
+    """The projections of a GQA layer whose checkpoint keeps q_proj, k_proj, v_proj and
+    o_proj apart (models/qwen3_next.py GatedAttention, models/nemotron_h.py NoPEAttention),
+    over the paged KV cache; q_proj has `q_outputs` x Hq·D rows (2: query and gate)."""
+
+    def __init__(self, cfg: DecoderConfig, ops: TorchOps = TORCH_OPS, q_outputs: int = 1):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_outputs * self.q_size, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
+        self.ops = ops
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, input_size: int | None = None,
                  ops: TorchOps = TORCH_OPS):

@@ -39,7 +39,7 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.recurrent import RecurrentMixer, mamba2_chunked, mamba2_scan
-from onespec.models.llama import DecoderConfig, check_field_types
+from onespec.models.llama import DecoderConfig, SeparateProjAttention, check_field_types
 from onespec.models.moe import Float32Router, Router
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -201,23 +201,8 @@ class Mamba2Mixer(RecurrentMixer):
         return self.ops.linear(self.out_proj, self.gated_norm(y, z).to(x.dtype))
 
 
-class NoPEAttention(nn.Module):
+class NoPEAttention(SeparateProjAttention):
     """GQA attention without positional encoding over the paged KV cache."""
-
-    def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
-        self.scale = self.head_dim ** -0.5
-        self.k_cache = self.v_cache = None
-        self.ops = ops
 
     def forward(self, x, meta: AttentionMetadata):
         t, lin = x.shape[0], self.ops.linear

@@ -44,7 +44,7 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.recurrent import RecurrentMixer, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import MLP, DecoderConfig, check_field_types
+from onespec.models.llama import MLP, DecoderConfig, SeparateProjAttention, check_field_types
 from onespec.models.moe import Experts, PagedCausalLM, Router
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
@@ -166,26 +166,14 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(SeparateProjAttention):
     """Full attention with an output gate, per-head q/k norm and partial rotary."""
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        super().__init__(cfg, ops, q_outputs=2)       # q_proj: query and gate per head
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_dim = cfg.rotary_dim
-        self.scale = self.head_dim ** -0.5
-        self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
-        self.ops = ops
 
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
         """x [T, H] (normed) -> o_proj(attention * sigmoid(gate)) [T, H]; writes this

@@ -157,6 +157,24 @@ class Float32Router(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
+class SoftmaxMoe(nn.Module):
+    """The routed part of the Qwen MoE blocks (models/qwen3_moe.py SparseMoeBlock,
+    models/qwen3_next.py SharedExpertMoe): a linear router `gate`, softmax top-k routing,
+    the stacked experts."""
+
+    def __init__(self, cfg, ops: TorchOps = TORCH_OPS):
+        super().__init__()
+        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
+                             norm_topk_prob=cfg.norm_topk_prob)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               ops)
+
+    def routed(self, x, residual=None):
+        """x [T, H] -> the routed experts' sum [T, H] (plus residual where given)."""
+        return self.experts(x, F.linear(x, self.gate.weight), self.router, None, residual)
+
+
 def mlp_step(mlp: nn.Module, ops: TorchOps, x, h: torch.Tensor,
              next_norm: RMSNorm | None, last: bool):
     """A decoder layer's MLP (dense models/llama.py MLP, or an MoE block) on its input norm

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-import torch.nn.functional as F
-from torch import nn
-
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import Experts, MoeDecoderLayer, PagedCausalLM, Router
+from onespec.models.moe import MoeDecoderLayer, PagedCausalLM, SoftmaxMoe
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -51,21 +48,13 @@ class Qwen3MoeConfig(DecoderConfig):
                 and (i + 1) % self.decoder_sparse_step == 0)
 
 
-class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
-                             norm_topk_prob=cfg.norm_topk_prob)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                               ops)
-
+class SparseMoeBlock(SoftmaxMoe):
     takes_residual = True    # forward(x, residual, ...); off when split over ranks
 
     def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
         """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None),
         the residual added where the experts' pairs are summed."""
-        out = self.experts(x, F.linear(x, self.gate.weight), self.router, None, residual)
+        out = self.routed(x, residual)
         if residual is None:
             return out
         return out, None if next_norm is None else self.experts.ops.norm(next_norm, out)

@@ -45,7 +45,7 @@ from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.recurrent import RecurrentMixer, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.llama import MLP, DecoderConfig, SeparateProjAttention, check_field_types
-from onespec.models.moe import Experts, PagedCausalLM, Router
+from onespec.models.moe import PagedCausalLM, SoftmaxMoe
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                  "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -268,20 +268,16 @@ class GatedDeltaNet(RecurrentMixer):
         return self.ops.linear(self.out_proj, out)
 
 
-class SharedExpertMoe(nn.Module):
+class SharedExpertMoe(SoftmaxMoe):
     """Softmax top-k routed experts plus one shared expert gated by a sigmoid."""
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
-                             norm_topk_prob=cfg.norm_topk_prob)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops)
+        super().__init__(cfg, ops)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops=ops)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
-        routed = self.experts(x, F.linear(x, self.gate.weight), self.router)
+        routed = self.routed(x)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
 

@@ -76,6 +76,22 @@ def assert_pool_full(llm):
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
 
 
+def assert_schedule_keeps_output(llm, cycle: list[int], prompts, params, plain):
+    """A draft-length schedule that cycles through `cycle` (one entry a step) keeps the
+    output `plain` (greedy plain decoding's token ids); it is consulted for more than one
+    cycle, and the pool is full again."""
+    seen = []
+
+    def draft_len(batch_size):
+        seen.append(cycle[len(seen) % len(cycle)])
+        return seen[-1]
+
+    llm.engine.set_draft_len(draft_len)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert len(seen) > len(cycle)
+    assert_pool_full(llm)
+
+
 def assert_drafts_match_reference(llm, prompts, params, reference, k: int):
     """Runs `prompts` to the end step by step; after every step each running request's
     drafts equal reference(token_ids) -> (drafts, top-2 logit margins) up to the first

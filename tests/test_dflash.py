@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, \
-    make_hf_model
+    assert_schedule_keeps_output, make_hf_model
 from onespec import LLM, DFlashConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import speculative_config_from_dict
-from test_parallel_draft import _chi_square_pvalue, count_calls, token_ids
+from test_parallel_draft import count_calls, token_ids
+from test_spec_sampling import chi_square_pvalue, exact_joint
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 128, 64, 2, 8
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -108,17 +109,7 @@ def test_default_k_is_the_block_and_schedule_cycles(pair):
     target, _, head, plain = pair
     llm = dflash_llm(target, head)
     assert llm.engine.max_draft_len == BLOCK - 1
-    cycle = [7, 0, 2, 5, 0, 1]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [7, 0, 2, 5, 0, 1], PROMPTS, GREEDY, plain)
 
 
 def test_suffix_enhancer_over_block_drafts(pair):
@@ -201,7 +192,6 @@ SMALL_VOCAB, SAMPLE_PROMPT, NUM_SAMPLES = 6, [3, 1, 4, 1, 5], 2000
 def test_rejection_sampling_keeps_target_distribution(tmp_path):
     """Three-token outputs of rejection-sampled block drafts (K = 2) against the exact
     joint distribution from transformers (chi-square), drafts at both positions accepted."""
-    from onespec.layers.sampler import probs_from_logits
     hf = make_hf_model(tmp_path / "t", "llama", num_layers=5, vocab_size=SMALL_VOCAB, seed=4)
     head = write_dflash_checkpoint(tmp_path / "h", seed=5, vocab=SMALL_VOCAB)
     llm = dflash_llm(str(tmp_path / "t"), head, 2, device="cpu", max_batch_size=256, seed=11,
@@ -212,17 +202,10 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
     stats = llm.stats()
     assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
     assert min(stats["acceptance_rate_per_position"]) > 0.02
-    v = range(SMALL_VOCAB)
-    with torch.no_grad():
-        probs = lambda seqs: probs_from_logits(  # noqa: E731
-            hf(torch.tensor(seqs)).logits[:, -1].float(), torch.ones(len(seqs)),
-            torch.zeros(len(seqs), dtype=torch.long), torch.ones(len(seqs)))
-        p1 = probs([SAMPLE_PROMPT])[0]
-        p2 = probs([SAMPLE_PROMPT + [a] for a in v])
-        p3 = probs([SAMPLE_PROMPT + [a, b] for a in v for b in v]).view(len(v), len(v), -1)
-    joint = p1[:, None, None] * p2[:, :, None] * p3
-    assert _chi_square_pvalue(samples, joint) > 1e-4
-    assert _chi_square_pvalue(samples, joint.roll(1, 2)) < 1e-6
+    joint = exact_joint(hf, 1.0, 0, 1.0, SAMPLE_PROMPT, SMALL_VOCAB)            # [V, V, V]
+    assert chi_square_pvalue(samples, joint, SMALL_VOCAB) > 1e-4
+    # the same statistic says no to a distribution the samples do not come from
+    assert chi_square_pvalue(samples, joint.roll(1, 2), SMALL_VOCAB) < 1e-6
 
 
 # ---- configuration and errors -------------------------------------------------------------

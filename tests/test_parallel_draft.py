@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, \
-    make_hf_model
+    assert_schedule_keeps_output, make_hf_model
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.combinations import UnsupportedCombination
+from test_spec_sampling import chi_square_pvalue, exact_joint
 
 VOCAB, HIDDEN, DRAFT_VOCAB, DEPTH, LAYERS = 128, 64, 64, 4, 2
 MASK = VOCAB                    # the mask token: one embedding row past the vocabulary
@@ -128,17 +129,7 @@ def test_schedule_cycling_k(pair):
     """K changes every step (4,4,2,2,0,0,1,1,...): drafts are truncated, padded, skipped."""
     target, _, head, plain = pair
     llm = parallel_llm(target, head, 4)
-    cycle = [4, 4, 2, 2, 0, 0, 1, 1]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [4, 4, 2, 2, 0, 0, 1, 1], PROMPTS, GREEDY, plain)
 
 
 @pytest.mark.parametrize("spec", [dict(use_relaxed_acceptance_for_thinking=True,
@@ -255,7 +246,6 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
     """Three-token outputs of rejection-sampled parallel drafts (K = 2: the second token
     drafted at the root row, the third at a mask row) against the exact joint distribution
     from transformers (chi-square), with drafts at both positions really accepted."""
-    from onespec.layers.sampler import probs_from_logits
     hf = make_hf_model(tmp_path / "t", "llama", num_layers=5, vocab_size=SMALL_VOCAB,
                        hidden_size=64, seed=4)
     head = tmp_path / "h"
@@ -270,34 +260,10 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
     stats = llm.stats()
     assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
     assert min(stats["acceptance_rate_per_position"]) > 0.02
-    v = range(SMALL_VOCAB)
-    with torch.no_grad():
-        probs = lambda seqs: probs_from_logits(  # noqa: E731
-            hf(torch.tensor(seqs)).logits[:, -1].float(), torch.ones(len(seqs)),
-            torch.zeros(len(seqs), dtype=torch.long), torch.ones(len(seqs)))
-        p1 = probs([SAMPLE_PROMPT])[0]
-        p2 = probs([SAMPLE_PROMPT + [a] for a in v])
-        p3 = probs([SAMPLE_PROMPT + [a, b] for a in v for b in v]).view(len(v), len(v), -1)
-    joint = p1[:, None, None] * p2[:, :, None] * p3                            # [V, V, V]
-    assert _chi_square_pvalue(samples, joint) > 1e-4
+    joint = exact_joint(hf, 1.0, 0, 1.0, SAMPLE_PROMPT, SMALL_VOCAB)            # [V, V, V]
+    assert chi_square_pvalue(samples, joint, SMALL_VOCAB) > 1e-4
     # the same statistic says no to a distribution the samples do not come from
-    assert _chi_square_pvalue(samples, joint.roll(1, 2)) < 1e-6
-
-
-def _chi_square_pvalue(samples, joint):
-    v = joint.shape[0]
-    counts = torch.zeros(v ** 3, dtype=torch.float64)
-    for t in samples:
-        counts[(t[0] * v + t[1]) * v + t[2]] += 1
-    expected = joint.flatten().double() * len(samples)
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         stat / 2))
+    assert chi_square_pvalue(samples, joint.roll(1, 2), SMALL_VOCAB) < 1e-6
 
 
 def _small_head(path, vocab: int = SMALL_VOCAB):

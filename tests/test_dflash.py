@@ -17,7 +17,7 @@ from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_ful
 from onespec import LLM, DFlashConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import speculative_config_from_dict
-from test_parallel_draft import count_calls, token_ids
+from test_parallel_draft import _rms, _rope, assert_lossless_one_forward_per_step, token_ids
 from test_spec_sampling import chi_square_pvalue, exact_joint
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 128, 64, 2, 8
@@ -92,15 +92,7 @@ def dflash_llm(target, head, k=None, device=TEST_DEVICE, spec=None, **kw):
 def test_greedy_lossless_one_drafter_forward_per_step(pair, k, engine_kw):
     target, _, head, plain = pair
     llm = dflash_llm(target, head, k, **engine_kw)
-    forwards = count_calls(llm.engine.drafter.head)
-    steps = count_calls(llm.engine.runner.worker)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(steps) > 0 and len(forwards) == len(steps)     # one forward a step, any K
-    stats = llm.stats()
-    assert stats["num_draft_tokens"] > 0
-    if "num_kv_blocks" in engine_kw:
-        assert stats["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_lossless_one_forward_per_step(llm, plain, "num_kv_blocks" in engine_kw)
 
 
 def test_default_k_is_the_block_and_schedule_cycles(pair):
@@ -121,19 +113,7 @@ def test_suffix_enhancer_over_block_drafts(pair):
 
 
 # ---- drafts against a cache-free reference read from the checkpoint file ----------------
-
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = positions.double()[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
-
+# (_rms and _rope: test_parallel_draft's reference formulas)
 
 @torch.no_grad()
 def reference_drafts(hf, w, tokens: list[int], k: int):

@@ -76,6 +76,20 @@ def assert_pool_full(llm):
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
 
 
+def assert_greedy_matches(path: str, refs, prompts, params, **engine_kw):
+    """An engine on the checkpoint at `path` (float32, TEST_DEVICE, engine_kw) decodes
+    `prompts` greedily to `refs` (transformers' token ids); a small pool (num_kv_blocks)
+    preempts; the pool is full again. Returns the LLM."""
+    from onespec import LLM
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **engine_kw)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if "num_kv_blocks" in engine_kw:
+        assert llm.stats()["num_preemptions"] > 0
+    assert_pool_full(llm)
+    return llm
+
+
 def assert_schedule_keeps_output(llm, cycle: list[int], prompts, params, plain):
     """A draft-length schedule that cycles through `cycle` (one entry a step) keeps the
     output `plain` (greedy plain decoding's token ids); it is consulted for more than one

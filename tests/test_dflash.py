@@ -17,8 +17,8 @@ from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_ful
 from onespec import LLM, DFlashConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import speculative_config_from_dict
-from test_parallel_draft import _rms, _rope, assert_lossless_one_forward_per_step, token_ids
-from test_spec_sampling import chi_square_pvalue, exact_joint
+from test_parallel_draft import _rms, _rope, assert_lossless_one_forward_per_step, \
+    assert_samples_keep_target, token_ids
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 128, 64, 2, 8
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -176,16 +176,7 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
     head = write_dflash_checkpoint(tmp_path / "h", seed=5, vocab=SMALL_VOCAB)
     llm = dflash_llm(str(tmp_path / "t"), head, 2, device="cpu", max_batch_size=256, seed=11,
                      spec=dict(use_rejection_sampling=True))
-    sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    samples = token_ids(llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, sp))
-    assert_pool_full(llm)
-    stats = llm.stats()
-    assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
-    assert min(stats["acceptance_rate_per_position"]) > 0.02
-    joint = exact_joint(hf, 1.0, 0, 1.0, SAMPLE_PROMPT, SMALL_VOCAB)            # [V, V, V]
-    assert chi_square_pvalue(samples, joint, SMALL_VOCAB) > 1e-4
-    # the same statistic says no to a distribution the samples do not come from
-    assert chi_square_pvalue(samples, joint.roll(1, 2), SMALL_VOCAB) < 1e-6
+    assert_samples_keep_target(llm, hf, SAMPLE_PROMPT, NUM_SAMPLES, SMALL_VOCAB)
 
 
 # ---- configuration and errors -------------------------------------------------------------

@@ -261,16 +261,22 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
               speculative_config=Eagle3Config(str(head), max_draft_len=2,
                                               parallel_drafting=True,
                                               use_rejection_sampling=True))
+    assert_samples_keep_target(llm, hf, SAMPLE_PROMPT, NUM_SAMPLES, SMALL_VOCAB)
+
+
+def assert_samples_keep_target(llm, hf, prompt: list[int], num_samples: int, vocab: int):
+    """`num_samples` three-token outputs of `prompt` at temperature 1 follow the exact joint
+    distribution of transformers' model `hf` (chi-square), with drafts at both positions
+    really accepted; the test has power (a rolled distribution is refused)."""
     sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    samples = token_ids(llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, sp))
+    samples = token_ids(llm.generate([prompt] * num_samples, sp))
     assert_pool_full(llm)
     stats = llm.stats()
-    assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
+    assert stats["num_accepted_draft_tokens"] > 0.05 * num_samples
     assert min(stats["acceptance_rate_per_position"]) > 0.02
-    joint = exact_joint(hf, 1.0, 0, 1.0, SAMPLE_PROMPT, SMALL_VOCAB)            # [V, V, V]
-    assert chi_square_pvalue(samples, joint, SMALL_VOCAB) > 1e-4
-    # the same statistic says no to a distribution the samples do not come from
-    assert chi_square_pvalue(samples, joint.roll(1, 2), SMALL_VOCAB) < 1e-6
+    joint = exact_joint(hf, 1.0, 0, 1.0, prompt, vocab)                       # [V, V, V]
+    assert chi_square_pvalue(samples, joint, vocab) > 1e-4
+    assert chi_square_pvalue(samples, joint.roll(1, 2), vocab) < 1e-6
 
 
 def _small_head(path, vocab: int = SMALL_VOCAB):

@@ -304,24 +304,16 @@ def test_structured_outputs_follow_the_grammar(tmp_path):
     pytest.importorskip("xgrammar")
     pytest.importorskip("jsonschema")
     from test_serve import write_tokenizer
-    from test_structured import CASES, PROMPTS as TEXT_PROMPTS, check, constrained
+    from test_structured import CASES, PROMPTS as TEXT_PROMPTS, \
+        assert_constrained_spec_equals_plain
     make_hf_model(tmp_path, "llama", num_layers=5, vocab_size=300, seed=2)
     write_tokenizer(tmp_path, 300, chat_template=None)
     _small_head(str(tmp_path / "head"), vocab=300)
     cases = [CASES[0], CASES[5]]                 # a JSON schema and a regex
     prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(cases))]
-    params = [constrained(so) for _, _, so in cases]
-    ref = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
-    llm = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32",
-              speculative_config=Eagle3Config(str(tmp_path / "head"), max_draft_len=3,
-                                              parallel_drafting=True))
-    out = llm.generate(prompts, params)
-    for (kind, value, _), r, o in zip(cases, ref, out):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
-        assert r.outputs[0].finish_reason == "stop", (kind, r.outputs[0].text)
-        check(kind, value, r.outputs[0].text)
-    assert llm.stats()["num_accepted_draft_tokens"] > 0
-    assert_pool_full(llm)
+    assert_constrained_spec_equals_plain(
+        str(tmp_path), cases, prompts,
+        Eagle3Config(str(tmp_path / "head"), max_draft_len=3, parallel_drafting=True))
 
 
 # ---- configuration and formats -----------------------------------------------------------

@@ -70,6 +70,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def stop_process(proc):
+    """Ends a subprocess.Popen the test started: terminate, and kill if it has not gone
+    within 15 s."""
+    import subprocess
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
 def assert_pool_full(llm):
     eng = llm.engine
     assert not eng.has_unfinished()

@@ -32,7 +32,7 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding, check_rope
-from onespec.models.llama import MLP, check_field_types
+from onespec.models.llama import MLP, check_architecture, check_field_types
 from onespec.models.moe import Experts, Float32Router, MtpCausalLM, Router, mlp_step
 from onespec.quant.fp8 import linear_dtype
 
@@ -112,9 +112,7 @@ class DeepseekV3Config:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a DeepSeek-V3 config: architectures {archs!r}")
+        archs = check_architecture(cfg, ARCHITECTURES, "DeepSeek-V3")
         check_field_types(cfg, getattr(cfg, "source", "config.json"), INT_FIELDS)
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError(f"scoring_func {cfg['scoring_func']!r} is not supported "

@@ -21,7 +21,7 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.deepseek_v3 import DeepseekMoE
-from onespec.models.llama import MLP, Attention, DecoderConfig
+from onespec.models.llama import MLP, Attention, DecoderConfig, check_architecture
 from onespec.models.moe import MoeDecoderLayer, MtpCausalLM
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
@@ -44,9 +44,7 @@ class Glm4MoeConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Glm4MoeConfig":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a GLM-4 MoE config: architectures {archs!r}")
+        archs = check_architecture(cfg, ARCHITECTURES, "GLM-4 MoE")
         base = DecoderConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
         source = getattr(cfg, "source", "config.json")
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",

@@ -34,7 +34,8 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import check_rope
 from onespec.models.deepseek_v3 import MLARotary
-from onespec.models.llama import Attention, DecoderConfig, check_field_types
+from onespec.models.llama import Attention, DecoderConfig, check_architecture, \
+    check_field_types
 from onespec.models.moe import GATHER_MAX_PAIRS, MoeDecoderLayer, PagedCausalLM, Router
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -70,9 +71,7 @@ class GptOssConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "GptOssConfig":
         source = getattr(cfg, "source", "config.json")
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a gpt-oss config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "gpt-oss")
         check_field_types(cfg, source)
         plain = {k: v for k, v in cfg.items()
                  if k not in ("rope_scaling", "rope_parameters", "sliding_window")}

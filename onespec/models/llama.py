@@ -103,6 +103,17 @@ POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window")
 
 
+def check_architecture(cfg: dict, architectures, family: str, source: str | None = None
+                       ) -> list[str]:
+    """The config's `architectures`; a ValueError naming the family (and the file, where
+    `source` is given) where none of them is one of `architectures`."""
+    archs = cfg.get("architectures") or []
+    if not any(a in architectures for a in archs):
+        where = f"{source}: " if source else ""
+        raise ValueError(f"{where}not a {family} config: architectures {archs!r}")
+    return archs
+
+
 def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
     """A ValueError naming the file and the first field the decoder reads whose JSON type or
     sign is wrong (a field that is absent or null is left to the defaults)."""

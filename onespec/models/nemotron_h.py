@@ -39,7 +39,8 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.recurrent import RecurrentMixer, mamba2_chunked, mamba2_scan
-from onespec.models.llama import DecoderConfig, SeparateProjAttention, check_field_types
+from onespec.models.llama import DecoderConfig, SeparateProjAttention, check_architecture, \
+    check_field_types
 from onespec.models.moe import Float32Router, Router
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -73,9 +74,7 @@ class NemotronHConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "NemotronHConfig":
         source = getattr(cfg, "source", "config.json")
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"{source}: not a Nemotron-H config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "Nemotron-H", source)
         check_field_types(cfg, source)
         types = cfg.get("layers_block_type") or cfg.get("layer_types")
         pattern = cfg.get("hybrid_override_pattern")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import MLP, Attention, DecoderConfig
+from onespec.models.llama import MLP, Attention, DecoderConfig, check_architecture
 from onespec.models.moe import MoeDecoderLayer, PagedCausalLM, SoftmaxMoe
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -27,9 +27,7 @@ class Qwen3MoeConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3MoeConfig":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a Qwen3-MoE config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "Qwen3-MoE")
         base = DecoderConfig.from_hf({**cfg, "architectures": ["Qwen3ForCausalLM"]})
         try:
             return cls(**{f.name: getattr(base, f.name) for f in fields(DecoderConfig)},

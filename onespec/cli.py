@@ -395,10 +395,16 @@ def generate_main(argv=None) -> int:
     parser = generate_parser()
     args = parser.parse_args(argv)
     check_engine_args(parser, args)
+    return run_or_report("generate", cmd_generate, args)
+
+
+def run_or_report(command: str, fn, *args) -> int:
+    """fn(*args) for `onespec COMMAND`: 0, or 2 after one line on stderr (no trace) where
+    files or settings are bad (ValueError, OSError)."""
     try:
-        cmd_generate(args)
+        fn(*args)
     except (ValueError, OSError) as e:
-        print(f"onespec generate: error: {e}", file=sys.stderr)
+        print(f"onespec {command}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -70,10 +70,53 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def stop_process(proc):
+    """Ends a subprocess.Popen the test started: terminate, and kill if it has not gone
+    within 15 s."""
+    import subprocess
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
 def assert_pool_full(llm):
     eng = llm.engine
     assert not eng.has_unfinished()
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def assert_greedy_matches(path: str, refs, prompts, params, **engine_kw):
+    """An engine on the checkpoint at `path` (float32, TEST_DEVICE, engine_kw) decodes
+    `prompts` greedily to `refs` (transformers' token ids); a small pool (num_kv_blocks)
+    preempts; the pool is full again. Returns the LLM."""
+    from onespec import LLM
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **engine_kw)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    if "num_kv_blocks" in engine_kw:
+        assert llm.stats()["num_preemptions"] > 0
+    assert_pool_full(llm)
+    return llm
+
+
+def assert_schedule_keeps_output(llm, cycle: list[int], prompts, params, plain):
+    """A draft-length schedule that cycles through `cycle` (one entry a step) keeps the
+    output `plain` (greedy plain decoding's token ids); it is consulted for more than one
+    cycle, and the pool is full again."""
+    seen = []
+
+    def draft_len(batch_size):
+        seen.append(cycle[len(seen) % len(cycle)])
+        return seen[-1]
+
+    llm.engine.set_draft_len(draft_len)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert len(seen) > len(cycle)
+    assert_pool_full(llm)
 
 
 def assert_drafts_match_reference(llm, prompts, params, reference, k: int):

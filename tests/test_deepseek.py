@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_greedy_matches, assert_pool_full, hf_greedy
 from moe_utils import DEEPSEEK_VARIANTS, YARN, make_deepseek_model
 from onespec import LLM, SamplingParams
 from onespec.layers.attention import build_attention_metadata
@@ -47,12 +47,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
 def test_greedy_matches_transformers(models, variant, mode):
     path, _, refs = models[variant]
-    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if mode == "preemption":
-        assert llm.stats()["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_greedy_matches(path, refs, PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), **ENGINE_MODES[mode])
 
 
 @pytest.mark.parametrize("absorb_max_rows", [0, 1000])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_greedy_matches, \
+    assert_pool_full, hf_greedy
 from moe_utils import YARN, _randomize, add_mtp_layers
 from onespec import LLM, MTPConfig, SamplingParams
 from onespec.models.deepseek_v3 import DeepseekV3Config
@@ -52,12 +53,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_greedy_matches_transformers(model, mode):
     path, _, refs, _ = model
-    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if mode == "preempt":
-        assert llm.stats()["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_greedy_matches(path, refs, PROMPTS, GREEDY, **ENGINE_MODES[mode])
 
 
 @pytest.mark.parametrize("absorb_max_rows", [0, 1000])

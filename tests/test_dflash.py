@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, \
-    make_hf_model
+    assert_schedule_keeps_output, make_hf_model
 from onespec import LLM, DFlashConfig, SamplingParams
 from onespec.combinations import UnsupportedCombination
 from onespec.config import speculative_config_from_dict
-from test_parallel_draft import _chi_square_pvalue, count_calls, token_ids
+from test_parallel_draft import _rms, _rope, assert_lossless_one_forward_per_step, \
+    assert_samples_keep_target, token_ids
 
 VOCAB, HIDDEN, LAYERS, BLOCK = 128, 64, 2, 8
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -91,15 +92,7 @@ def dflash_llm(target, head, k=None, device=TEST_DEVICE, spec=None, **kw):
 def test_greedy_lossless_one_drafter_forward_per_step(pair, k, engine_kw):
     target, _, head, plain = pair
     llm = dflash_llm(target, head, k, **engine_kw)
-    forwards = count_calls(llm.engine.drafter.head)
-    steps = count_calls(llm.engine.runner.worker)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(steps) > 0 and len(forwards) == len(steps)     # one forward a step, any K
-    stats = llm.stats()
-    assert stats["num_draft_tokens"] > 0
-    if "num_kv_blocks" in engine_kw:
-        assert stats["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_lossless_one_forward_per_step(llm, plain, "num_kv_blocks" in engine_kw)
 
 
 def test_default_k_is_the_block_and_schedule_cycles(pair):
@@ -108,17 +101,7 @@ def test_default_k_is_the_block_and_schedule_cycles(pair):
     target, _, head, plain = pair
     llm = dflash_llm(target, head)
     assert llm.engine.max_draft_len == BLOCK - 1
-    cycle = [7, 0, 2, 5, 0, 1]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [7, 0, 2, 5, 0, 1], PROMPTS, GREEDY, plain)
 
 
 def test_suffix_enhancer_over_block_drafts(pair):
@@ -130,19 +113,7 @@ def test_suffix_enhancer_over_block_drafts(pair):
 
 
 # ---- drafts against a cache-free reference read from the checkpoint file ----------------
-
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = positions.double()[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
-
+# (_rms and _rope: test_parallel_draft's reference formulas)
 
 @torch.no_grad()
 def reference_drafts(hf, w, tokens: list[int], k: int):
@@ -201,28 +172,11 @@ SMALL_VOCAB, SAMPLE_PROMPT, NUM_SAMPLES = 6, [3, 1, 4, 1, 5], 2000
 def test_rejection_sampling_keeps_target_distribution(tmp_path):
     """Three-token outputs of rejection-sampled block drafts (K = 2) against the exact
     joint distribution from transformers (chi-square), drafts at both positions accepted."""
-    from onespec.layers.sampler import probs_from_logits
     hf = make_hf_model(tmp_path / "t", "llama", num_layers=5, vocab_size=SMALL_VOCAB, seed=4)
     head = write_dflash_checkpoint(tmp_path / "h", seed=5, vocab=SMALL_VOCAB)
     llm = dflash_llm(str(tmp_path / "t"), head, 2, device="cpu", max_batch_size=256, seed=11,
                      spec=dict(use_rejection_sampling=True))
-    sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    samples = token_ids(llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, sp))
-    assert_pool_full(llm)
-    stats = llm.stats()
-    assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
-    assert min(stats["acceptance_rate_per_position"]) > 0.02
-    v = range(SMALL_VOCAB)
-    with torch.no_grad():
-        probs = lambda seqs: probs_from_logits(  # noqa: E731
-            hf(torch.tensor(seqs)).logits[:, -1].float(), torch.ones(len(seqs)),
-            torch.zeros(len(seqs), dtype=torch.long), torch.ones(len(seqs)))
-        p1 = probs([SAMPLE_PROMPT])[0]
-        p2 = probs([SAMPLE_PROMPT + [a] for a in v])
-        p3 = probs([SAMPLE_PROMPT + [a, b] for a in v for b in v]).view(len(v), len(v), -1)
-    joint = p1[:, None, None] * p2[:, :, None] * p3
-    assert _chi_square_pvalue(samples, joint) > 1e-4
-    assert _chi_square_pvalue(samples, joint.roll(1, 2)) < 1e-6
+    assert_samples_keep_target(llm, hf, SAMPLE_PROMPT, NUM_SAMPLES, SMALL_VOCAB)
 
 
 # ---- configuration and errors -------------------------------------------------------------

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from conftest import stop_process
 from onespec.demo import HEAD_DIR, TARGET_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,12 +76,7 @@ def server(argv: list[str], log_path):
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
+            stop_process(proc)
 
 
 def wait_ready(proc, port: int, log_path):

@@ -8,18 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_greedy_matches, \
+    assert_pool_full, hf_greedy
 from moe_utils import _randomize, add_mtp_layers
 from onespec import LLM, MTPConfig, SamplingParams
 from onespec.models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from test_deepseek_v32 import ENGINE_MODES, GREEDY, NEW_TOKENS, PROMPTS
 from test_mtp import reference_drafts
 
-NEW_TOKENS = 12
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3] * 30, [40, 41],
-           list(range(20, 45))]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-ENGINE_MODES = {"batched": {}, "chunked": {"max_num_tokens": 9},
-                "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 64}}
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
             num_attention_heads=4, n_shared_experts=1, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
@@ -70,12 +66,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(models, variant, mode):
     path, _, refs = models[variant]
-    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if mode == "preempt":
-        assert llm.stats()["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_greedy_matches(path, refs, PROMPTS, GREEDY, **ENGINE_MODES[mode])
 
 
 def test_layers_follow_the_config(models):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, assert_pool_full, hf_greedy
+from conftest import TEST_DEVICE, assert_greedy_matches, assert_pool_full, hf_greedy
 from gpt_oss_utils import WINDOW, make_gpt_oss_model, write_gpt_oss_eagle3_head
 from onespec import LLM, SamplingParams
 from onespec.combinations import UnsupportedCombination
@@ -44,12 +44,7 @@ def test_config_reads_layer_types_and_windows(gpt_oss):
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_greedy_matches_transformers(gpt_oss, mode):
     path, _, refs = gpt_oss
-    llm = LLM(path, dtype="float32", device=TEST_DEVICE, **ENGINE_MODES[mode])
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    if mode == "preemption":
-        assert llm.stats()["num_preemptions"] > 0
-    assert_pool_full(llm)
+    assert_greedy_matches(path, refs, PROMPTS, GREEDY, **ENGINE_MODES[mode])
 
 
 def test_long_request_matches_transformers(gpt_oss):

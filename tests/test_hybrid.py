@@ -225,7 +225,31 @@ def test_mtp_on_qwen3_5_lossless(models, tmp_path):
     assert_states_free(llm)
 
 
-class MTPReference:
+class CacheFreeMTP:
+    """The drafting loop of the cache-free MTP references: subclasses give layer_input
+    (embedding and hidden state -> the block input), run_blocks (causal, [n, H] -> [n, H]),
+    the final norm's name in self.norms, self.hf (the target)."""
+
+    final_norm = "norm"
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int):
+        """MTP drafts after `tokens` and each step's top-2 logit margin."""
+        final = self.hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        xs = self.layer_input(torch.tensor(tokens[1:]), final)
+        drafts, margins = [], []
+        for _ in range(k):
+            n = xs.shape[0]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            last = self.norms[self.final_norm](self.run_blocks(xs, mask)[-1:])
+            top2 = self.hf.lm_head(last)[0].topk(2)
+            drafts.append(int(top2.indices[0]))
+            margins.append(float(top2.values[0] - top2.values[1]))
+            xs = torch.cat([xs, self.layer_input(torch.tensor(drafts[-1:]), last)])
+        return drafts, margins
+
+
+class MTPReference(CacheFreeMTP):
     """The checkpoint's MTP module as transformers modules (cache-free): fc, the two
     zero-centred pre-fc norms, a full-attention decoder layer of the target's class, norm."""
 
@@ -250,24 +274,10 @@ class MTPReference:
         e = self.norms["pre_fc_norm_embedding"](self.hf.model.embed_tokens(ids))
         return self.fc(torch.cat([e, self.norms["pre_fc_norm_hidden"](hidden)], -1))
 
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int):
-        """MTP-Eagle drafts after `tokens` and each step's top-2 logit margin."""
-        final = self.hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
-        xs = self.layer_input(torch.tensor(tokens[1:]), final)
-        drafts, margins = [], []
-        for _ in range(k):
-            n = xs.shape[0]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = self.block(xs[None], attention_mask=mask, position_ids=pos,
-                             position_embeddings=self.hf.model.rotary_emb(xs[None], pos))[0]
-            last = self.norms["norm"](out[-1:])
-            top2 = self.hf.lm_head(last)[0].topk(2)
-            drafts.append(int(top2.indices[0]))
-            margins.append(float(top2.values[0] - top2.values[1]))
-            xs = torch.cat([xs, self.layer_input(torch.tensor(drafts[-1:]), last)])
-        return drafts, margins
+    def run_blocks(self, xs, mask):
+        pos = torch.arange(xs.shape[0])[None]
+        return self.block(xs[None], attention_mask=mask, position_ids=pos,
+                          position_embeddings=self.hf.model.rotary_emb(xs[None], pos))[0]
 
 
 def test_mtp_drafts_match_cache_free_reference(models):
@@ -381,10 +391,12 @@ def test_per_row_states_equal_prefix_runs():
     torch.testing.assert_close(states[:, -1], s2)
 
 
-class NemotronMTPReference:
+class NemotronMTPReference(CacheFreeMTP):
     """A Nemotron-H MTP step from transformers blocks (cache-free): eh_proj of the
     normed embedding and hidden state, an attention block, an MoE block,
     final_layernorm, the target's lm_head."""
+
+    final_norm = "final_layernorm"
 
     def __init__(self, hf, weights):
         import copy
@@ -411,23 +423,11 @@ class NemotronMTPReference:
         e = self.norms["enorm"](self.hf.model.embeddings(ids))
         return self.eh_proj(torch.cat([e, self.norms["hnorm"](hidden)], -1))
 
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int):
-        final = self.hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
-        xs = self.layer_input(torch.tensor(tokens[1:]), final)
-        drafts, margins = [], []
-        for _ in range(k):
-            n = xs.shape[0]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = xs[None]
-            for block in self.blocks:
-                out = block(out, attention_mask=mask)
-            last = self.norms["final_layernorm"](out[0, -1:])
-            top2 = self.hf.lm_head(last)[0].topk(2)
-            drafts.append(int(top2.indices[0]))
-            margins.append(float(top2.values[0] - top2.values[1]))
-            xs = torch.cat([xs, self.layer_input(torch.tensor(drafts[-1:]), last)])
-        return drafts, margins
+    def run_blocks(self, xs, mask):
+        out = xs[None]
+        for block in self.blocks:
+            out = block(out, attention_mask=mask)
+        return out[0]
 
 
 def test_nemotron_h_mtp(models, tmp_path):

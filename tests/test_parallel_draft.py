@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import TEST_DEVICE, assert_drafts_match_reference, assert_pool_full, \
-    make_hf_model
+    assert_schedule_keeps_output, make_hf_model
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.combinations import UnsupportedCombination
+from test_spec_sampling import chi_square_pvalue, exact_joint
 
 VOCAB, HIDDEN, DRAFT_VOCAB, DEPTH, LAYERS = 128, 64, 64, 4, 2
 MASK = VOCAB                    # the mask token: one embedding row past the vocabulary
@@ -113,13 +114,20 @@ def count_calls(obj):
 def test_greedy_lossless_one_head_forward_per_step(pair, k, engine_kw):
     target, _, head, plain = pair
     llm = parallel_llm(target, head, k, **engine_kw)
+    assert_lossless_one_forward_per_step(llm, plain, "num_kv_blocks" in engine_kw)
+
+
+def assert_lossless_one_forward_per_step(llm, plain, preempts: bool):
+    """Greedy output of PROMPTS equals plain decoding's with one drafter-head forward per
+    target step (SpecWorker.step), whatever K; drafts were made (preemptions too where
+    `preempts`: a small pool); the pool is full again."""
     heads = count_calls(llm.engine.drafter.head)
-    steps = count_calls(llm.engine.runner.worker)           # SpecWorker.step calls
+    steps = count_calls(llm.engine.runner.worker)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(steps) > 0 and len(heads) == len(steps)       # one forward a step, any K
+    assert len(steps) > 0 and len(heads) == len(steps)
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0
-    if "num_kv_blocks" in engine_kw:
+    if preempts:
         assert stats["num_preemptions"] > 0
     assert_pool_full(llm)
 
@@ -128,17 +136,7 @@ def test_schedule_cycling_k(pair):
     """K changes every step (4,4,2,2,0,0,1,1,...): drafts are truncated, padded, skipped."""
     target, _, head, plain = pair
     llm = parallel_llm(target, head, 4)
-    cycle = [4, 4, 2, 2, 0, 0, 1, 1]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [4, 4, 2, 2, 0, 0, 1, 1], PROMPTS, GREEDY, plain)
 
 
 @pytest.mark.parametrize("spec", [dict(use_relaxed_acceptance_for_thinking=True,
@@ -255,7 +253,6 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
     """Three-token outputs of rejection-sampled parallel drafts (K = 2: the second token
     drafted at the root row, the third at a mask row) against the exact joint distribution
     from transformers (chi-square), with drafts at both positions really accepted."""
-    from onespec.layers.sampler import probs_from_logits
     hf = make_hf_model(tmp_path / "t", "llama", num_layers=5, vocab_size=SMALL_VOCAB,
                        hidden_size=64, seed=4)
     head = tmp_path / "h"
@@ -264,40 +261,22 @@ def test_rejection_sampling_keeps_target_distribution(tmp_path):
               speculative_config=Eagle3Config(str(head), max_draft_len=2,
                                               parallel_drafting=True,
                                               use_rejection_sampling=True))
+    assert_samples_keep_target(llm, hf, SAMPLE_PROMPT, NUM_SAMPLES, SMALL_VOCAB)
+
+
+def assert_samples_keep_target(llm, hf, prompt: list[int], num_samples: int, vocab: int):
+    """`num_samples` three-token outputs of `prompt` at temperature 1 follow the exact joint
+    distribution of transformers' model `hf` (chi-square), with drafts at both positions
+    really accepted; the test has power (a rolled distribution is refused)."""
     sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    samples = token_ids(llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, sp))
+    samples = token_ids(llm.generate([prompt] * num_samples, sp))
     assert_pool_full(llm)
     stats = llm.stats()
-    assert stats["num_accepted_draft_tokens"] > 0.05 * NUM_SAMPLES
+    assert stats["num_accepted_draft_tokens"] > 0.05 * num_samples
     assert min(stats["acceptance_rate_per_position"]) > 0.02
-    v = range(SMALL_VOCAB)
-    with torch.no_grad():
-        probs = lambda seqs: probs_from_logits(  # noqa: E731
-            hf(torch.tensor(seqs)).logits[:, -1].float(), torch.ones(len(seqs)),
-            torch.zeros(len(seqs), dtype=torch.long), torch.ones(len(seqs)))
-        p1 = probs([SAMPLE_PROMPT])[0]
-        p2 = probs([SAMPLE_PROMPT + [a] for a in v])
-        p3 = probs([SAMPLE_PROMPT + [a, b] for a in v for b in v]).view(len(v), len(v), -1)
-    joint = p1[:, None, None] * p2[:, :, None] * p3                            # [V, V, V]
-    assert _chi_square_pvalue(samples, joint) > 1e-4
-    # the same statistic says no to a distribution the samples do not come from
-    assert _chi_square_pvalue(samples, joint.roll(1, 2)) < 1e-6
-
-
-def _chi_square_pvalue(samples, joint):
-    v = joint.shape[0]
-    counts = torch.zeros(v ** 3, dtype=torch.float64)
-    for t in samples:
-        counts[(t[0] * v + t[1]) * v + t[2]] += 1
-    expected = joint.flatten().double() * len(samples)
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         stat / 2))
+    joint = exact_joint(hf, 1.0, 0, 1.0, prompt, vocab)                       # [V, V, V]
+    assert chi_square_pvalue(samples, joint, vocab) > 1e-4
+    assert chi_square_pvalue(samples, joint.roll(1, 2), vocab) < 1e-6
 
 
 def _small_head(path, vocab: int = SMALL_VOCAB):
@@ -325,24 +304,16 @@ def test_structured_outputs_follow_the_grammar(tmp_path):
     pytest.importorskip("xgrammar")
     pytest.importorskip("jsonschema")
     from test_serve import write_tokenizer
-    from test_structured import CASES, PROMPTS as TEXT_PROMPTS, check, constrained
+    from test_structured import CASES, PROMPTS as TEXT_PROMPTS, \
+        assert_constrained_spec_equals_plain
     make_hf_model(tmp_path, "llama", num_layers=5, vocab_size=300, seed=2)
     write_tokenizer(tmp_path, 300, chat_template=None)
     _small_head(str(tmp_path / "head"), vocab=300)
     cases = [CASES[0], CASES[5]]                 # a JSON schema and a regex
     prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(len(cases))]
-    params = [constrained(so) for _, _, so in cases]
-    ref = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
-    llm = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32",
-              speculative_config=Eagle3Config(str(tmp_path / "head"), max_draft_len=3,
-                                              parallel_drafting=True))
-    out = llm.generate(prompts, params)
-    for (kind, value, _), r, o in zip(cases, ref, out):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
-        assert r.outputs[0].finish_reason == "stop", (kind, r.outputs[0].text)
-        check(kind, value, r.outputs[0].text)
-    assert llm.stats()["num_accepted_draft_tokens"] > 0
-    assert_pool_full(llm)
+    assert_constrained_spec_equals_plain(
+        str(tmp_path), cases, prompts,
+        Eagle3Config(str(tmp_path / "head"), max_draft_len=3, parallel_drafting=True))
 
 
 # ---- configuration and formats -----------------------------------------------------------

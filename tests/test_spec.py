@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (TEST_DEVICE, assert_drafts_match_reference, assert_pool_full,
-                      make_eagle3_head, make_hf_model)
+                      assert_schedule_keeps_output, make_eagle3_head, make_hf_model)
 from draft_reference import HeadReference
 from onespec import LLM, Eagle3Config, SamplingParams
 
@@ -61,17 +61,7 @@ def test_schedule_cycling_k(pair):
     """K changes every step (4,4,2,2,0,0,2,2,...): drafts are truncated, padded, skipped."""
     target, _, heads, plain = pair
     llm = spec_llm(target, heads["speculators"], 4)
-    cycle = [4, 4, 2, 2, 0, 0, 2, 2]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [4, 4, 2, 2, 0, 0, 2, 2], PROMPTS, GREEDY, plain)
 
 
 def test_formats_give_identical_drafts_and_metrics(pair):

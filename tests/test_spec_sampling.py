@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
 
 
 def exact_joint(hf, temperature: float, top_k: int, top_p: float,
-                prompt: list[int] = PROMPT) -> torch.Tensor:
+                prompt: list[int] = PROMPT, vocab: int = VOCAB) -> torch.Tensor:
     """P(t1, t2, t3 | prompt) under the filtered sampling distribution. [V, V, V]"""
     def probs(seqs):
         with torch.no_grad():
@@ -33,10 +33,10 @@ def exact_joint(hf, temperature: float, top_k: int, top_p: float,
         n = len(seqs)
         return probs_from_logits(logits, torch.full((n,), temperature),
                                  torch.full((n,), top_k), torch.full((n,), top_p))
-    v = range(VOCAB)
+    v = range(vocab)
     p1 = probs([prompt])[0]
     p2 = probs([prompt + [a] for a in v])                                    # [V, V]
-    p3 = probs([prompt + [a, b] for a in v for b in v]).view(VOCAB, VOCAB, VOCAB)
+    p3 = probs([prompt + [a, b] for a in v for b in v]).view(vocab, vocab, vocab)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 

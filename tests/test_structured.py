@@ -83,6 +83,22 @@ def check(kind: str, spec_value, text: str):
         assert re.fullmatch(GRAMMAR_RE, text), text
 
 
+def assert_constrained_spec_equals_plain(path: str, cases, prompts, speculative_config):
+    """Each case's constrained greedy output of a speculative engine on the checkpoint at
+    `path` equals the plain engine's, which stops at the end of the grammar and is valid;
+    drafts were accepted; the pool is full again."""
+    params = [constrained(so) for _, _, so in cases]
+    ref = LLM(path, device=TEST_DEVICE, dtype="float32").generate(prompts, params)
+    llm = LLM(path, device=TEST_DEVICE, dtype="float32", speculative_config=speculative_config)
+    out = llm.generate(prompts, params)
+    for (kind, value, _), r, o in zip(cases, ref, out):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
+        assert r.outputs[0].finish_reason == "stop", (kind, r.outputs[0].text)
+        check(kind, value, r.outputs[0].text)
+    assert llm.stats()["num_accepted_draft_tokens"] > 0
+    assert_pool_full(llm)
+
+
 CASES = [("json", s, StructuredOutputsParams(json=s)) for s in SCHEMAS.values()] + [
     ("regex", REGEX, StructuredOutputsParams(regex=REGEX)),
     ("choice", CHOICES, StructuredOutputsParams(choice=CHOICES)),
@@ -279,17 +295,8 @@ def test_mtp_greedy_equals_plain_under_constraints(tmp_path, vanilla, k):
     write_tokenizer(tmp_path, 300, chat_template=None)
     cases = [CASES[0], CASES[2], CASES[5], CASES[6], CASES[7]]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
-    params = [constrained(so) for _, _, so in cases]
-    ref = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32").generate(prompts, params)
-    llm = LLM(str(tmp_path), device=TEST_DEVICE, dtype="float32", speculative_config=MTPConfig(
+    assert_constrained_spec_equals_plain(str(tmp_path), cases, prompts, MTPConfig(
         num_nextn_predict_layers=k, use_mtp_vanilla=vanilla))
-    out = llm.generate(prompts, params)
-    for (kind, value, _), r, o in zip(cases, ref, out):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids, kind
-        assert r.outputs[0].finish_reason == "stop", (kind, r.outputs[0].text)
-        check(kind, value, r.outputs[0].text)
-    assert llm.stats()["num_accepted_draft_tokens"] > 0
-    assert_pool_full(llm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import make_hf_model  # noqa: E402
+from conftest import make_hf_model, stop_process  # noqa: E402
 from onespec import LLM, SamplingParams  # noqa: E402
 from test_serve import MODEL_NAME, VOCAB_SIZE, write_tokenizer  # noqa: E402
 
@@ -45,16 +45,6 @@ def torchrun_node(node_rank: int, rdzv_port: int, args: list[str], log_path):
          "--rdzv-id", "onespec-test", "--max-restarts", "0", "-m", "onespec", *args],
         stdout=log, stderr=subprocess.STDOUT, env={**env, **ONE_THREAD})
     return proc, log
-
-
-def stop(proc: subprocess.Popen):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
 
 def test_two_torchrun_nodes_serve_one_ranks_greedy_text(tmp_path):
@@ -98,7 +88,7 @@ def test_two_torchrun_nodes_serve_one_ranks_greedy_text(tmp_path):
         serving = 0 if "Application startup complete" in \
             (tmp_path / "node0.log").read_text() else 1
         assert "Application startup complete" in (tmp_path / f"node{serving}.log").read_text()
-        stop(nodes[serving][0])
+        stop_process(nodes[serving][0])
         follower = tmp_path / f"node{1 - serving}.log"
         deadline = time.monotonic() + 30
         while "rank 1: rank 0 stopped, exiting" not in follower.read_text():
@@ -106,7 +96,7 @@ def test_two_torchrun_nodes_serve_one_ranks_greedy_text(tmp_path):
             time.sleep(0.2)
     finally:
         for proc, log in nodes:
-            stop(proc)
+            stop_process(proc)
             log.close()
 
 

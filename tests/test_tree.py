@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from conftest import (TEST_DEVICE, assert_pool_full, build_eagle_pair, make_eagle3_head,
-                      make_hf_model)
+from conftest import (TEST_DEVICE, assert_pool_full, assert_schedule_keeps_output,
+                      build_eagle_pair, make_eagle3_head, make_hf_model)
 from draft_reference import HeadReference
 from onespec import LLM, Eagle3Config, SamplingParams
 from onespec.speculative.tree import depths_of
@@ -153,17 +153,7 @@ def test_tree_steps_between_plain_steps(pair):
     after a plain one verifies padding, and the output stays plain decoding's."""
     target, _, head, plain = pair
     llm = tree_llm(target, head)
-    cycle = [3, 3, 0, 3, 0, 0]
-    seen = []
-
-    def draft_len(batch_size):
-        seen.append(cycle[len(seen) % len(cycle)])
-        return seen[-1]
-
-    llm.engine.set_draft_len(draft_len)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
-    assert len(seen) > len(cycle)
-    assert_pool_full(llm)
+    assert_schedule_keeps_output(llm, [3, 3, 0, 3, 0, 0], PROMPTS, GREEDY, plain)
 
 
 def test_top1_tree_is_a_chain_step_for_step(pair):

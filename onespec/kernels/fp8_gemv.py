@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onespec.kernels.gemv import Prenormed, prenorm_rstd, row_tile
+from onespec.kernels.gemv import Prenormed, gemv_epilogue, row_tile
 from onespec.kernels.launch import INTERPRETED, pdl_launch, rows_contiguous
 from onespec.kernels.settings import MAX_ROWS
 
@@ -81,22 +81,9 @@ def _fp8_gemv_kernel(X, W, S, BIAS, RES, Y, SS_IN,
         acc = acc * tl.load(S + n, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(S + N + n, mask=n_ok, other=0.0)[None, :]
-    if PRENORMED:
-        rstd = prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
-        acc = acc * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(BIAS + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y * tl.sigmoid(y) * up
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:
-        r = tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
-        y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    y, out_ok = gemv_epilogue(acc, acc_up, m, m_ok, n, n_ok, N, K, SS_IN, P_IN, stride_ss_in,
+                              eps, BIAS, RES, stride_rm, BLOCK_P, HAS_BIAS, GATED, RESIDUAL,
+                              PRENORMED)
     tl.store(Y + m[:, None] * stride_ym + n[None, :], y.to(Y.dtype.element_ty), mask=out_ok)
 
 

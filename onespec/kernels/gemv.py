@@ -121,6 +121,32 @@ def prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P: tl.constex
 
 
 @triton.jit
+def gemv_epilogue(acc, acc_up, m, m_ok, n, n_ok, N, K, SS_IN, P_IN, stride_ss_in, eps, BIAS,
+                  RES, stride_rm, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  GATED: tl.constexpr, RESIDUAL: tl.constexpr, PRENORMED: tl.constexpr):
+    """The GEMV kernels' shared epilogue on the float32 accumulators: the prenorm's 1/rms,
+    the bias, silu(gate) * up, the residual: (y float32 [ROWS, BLOCK_N], its store mask)."""
+    if PRENORMED:
+        rstd = prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(BIAS + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y * tl.sigmoid(y) * up
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
+        # the projection is rounded to the stream's dtype before the add, as in PyTorch
+        y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    return y, out_ok
+
+
+@triton.jit
 def _gemv_kernel(
         X, W, BIAS, RES, Y, SS_IN, NW_OUT, XN_OUT, SS_OUT, ARG_VAL, ARG_IDX,
         M, N, K, P_IN, stride_xm, stride_wn, stride_rm, stride_ym, stride_ss_in,
@@ -141,23 +167,9 @@ def _gemv_kernel(
     acc, acc_up = stream_rows(X, W + n[:, None].to(tl.int64) * stride_wn, n_ok, m, m_ok, K,
                               stride_xm, stride_wn, N, BLOCK_N, BLOCK_K, PRE, GATED, IEEE,
                               PDL, EARLY, ROWS)
-    if PRENORMED:
-        rstd = prenorm_rstd(SS_IN, m, m_ok, P_IN, K, stride_ss_in, eps, BLOCK_P)
-        acc = acc * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(BIAS + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y * tl.sigmoid(y) * up
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:
-        r = tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0)
-        # the projection is rounded to the stream's dtype before the add, as in PyTorch
-        y = y.to(RES.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    y, out_ok = gemv_epilogue(acc, acc_up, m, m_ok, n, n_ok, N, K, SS_IN, P_IN, stride_ss_in,
+                              eps, BIAS, RES, stride_rm, BLOCK_P, HAS_BIAS, GATED, RESIDUAL,
+                              PRENORMED)
     y = y.to(Y.dtype.element_ty)
     if ARGMAX:
         # greedy decoding: this tile's best column per row (first on ties), reduced over

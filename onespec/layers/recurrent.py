@@ -21,8 +21,11 @@ per-position snapshots a speculative verify commits from, engine/state_pool.py).
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
@@ -162,3 +165,47 @@ def mamba2_chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64):
         s = gamma[..., -1:, :] * s + (xc * tail).transpose(-1, -2) @ bc
     y = torch.cat(outs, 2).transpose(1, 2)
     return y + D.float()[:, None] * x.transpose(1, 2), s
+
+
+class RecurrentMixer(nn.Module):
+    """The plumbing that the recurrent layers (models/qwen3_next.py GatedDeltaNet,
+    models/nemotron_h.py Mamba2Mixer) share: per segment of meta.recurrent, the causal
+    conv from the slot's state, then the recurrence in the form the rows want (a prompt
+    chunk block-parallel, verify rows through kernels/recurrent.py's Triton launch on CUDA,
+    else the portable scan), and the snapshots it leaves. Subclasses hold conv1d, `states`
+    and `snapshots` (engine/state_pool.py allocates them)."""
+
+    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
+    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
+    # them in Triton's interpreter)
+    verify_kernel: bool | None = None
+    # prompt chunks run the block-parallel form (gated_delta_chunked / mamba2_chunked)
+    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
+    prefill_chunk: int = 64
+
+    def recur(self, rb, conv_in: torch.Tensor, conv_bias, args_of, chunked, scan,
+              verify_name: str):
+        """Yields (rows, out) per segment of rb (a RecurrentBatch): conv_in [T, C] through
+        the causal conv, args_of(mixed [n, L, C], rows, n, L) the recurrence's inputs,
+        then chunked / the kernel `verify_name` / scan on them; the snapshots are saved
+        after each yield."""
+        weight = self.conv1d.weight.squeeze(1)                               # [C, W]
+        use_kernel = conv_in.is_cuda if self.verify_kernel is None else self.verify_kernel
+        for rows, reqs, snap, keep_all in rb.segments():
+            init = rb.initial(self.states, reqs)
+            n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
+            mixed, conv_s = causal_conv(conv_in[rows].view(n, length, -1), init["conv"],
+                                        weight, keep_all, conv_bias)
+            args = args_of(mixed, rows, n, length)
+            if not keep_all and self.prefill_chunk:
+                out, ssm_s = chunked(*args, init["ssm"], self.prefill_chunk)
+            elif use_kernel:
+                verify = getattr(importlib.import_module("onespec.kernels.recurrent"),
+                                 verify_name)
+                idx = rb.select(reqs)
+                out, ssm_s = verify(*args, self.states["ssm"], rb.slots[idx], rb.fresh[idx],
+                                    keep_all)
+            else:
+                out, ssm_s = scan(*args, init["ssm"], keep_all)
+            yield rows, out
+            rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})

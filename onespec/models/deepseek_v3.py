@@ -21,7 +21,6 @@ multiplies the softmax scale by mscale^2.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,8 @@ from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding, check_rope
-from onespec.models.llama import MLP, check_field_types
-from onespec.models.moe import Experts, Float32Router, PagedCausalLM, Router, mlp_step
+from onespec.models.llama import MLP, check_architecture, check_field_types
+from onespec.models.moe import Experts, Float32Router, MtpCausalLM, Router, mlp_step
 from onespec.quant.fp8 import linear_dtype
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM")
@@ -113,9 +112,7 @@ class DeepseekV3Config:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekV3Config":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a DeepSeek-V3 config: architectures {archs!r}")
+        archs = check_architecture(cfg, ARCHITECTURES, "DeepSeek-V3")
         check_field_types(cfg, getattr(cfg, "source", "config.json"), INT_FIELDS)
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError(f"scoring_func {cfg['scoring_func']!r} is not supported "
@@ -516,30 +513,15 @@ class DeepseekDecoderLayer(nn.Module):
         return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
-class DeepseekV3ForCausalLM(PagedCausalLM):
+class DeepseekV3ForCausalLM(MtpCausalLM):
     config_class = DeepseekV3Config
+    layer_class = DeepseekDecoderLayer
     triton_tree_masks = False      # kernels/mla.py has no tree masks: trees run portable
-
-    def __init__(self, cfg: DeepseekV3Config, ops: TorchOps = TORCH_OPS):
-        super().__init__(cfg, lambda i: DeepseekDecoderLayer(cfg, i, ops), ops)
-
-    def setup_rotary(self, max_positions: int, device):
-        self.rotary = self.make_rotary(max_positions, device)
 
     def make_rotary(self, max_positions: int, device) -> MLARotary:
         c = self.config
         return MLARotary(c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling,
                          c.rope_interleave, device)
-
-    def make_decoder_layer(self, layer_idx: int) -> DeepseekDecoderLayer:
-        """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
-        return DeepseekDecoderLayer(self.config, layer_idx, self.ops)
-
-    def checkpoint_rename(self, name: str) -> str | None:
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m and int(m.group(1)) >= self.config.num_hidden_layers:
-            return None          # MTP layers: read by the MTP drafter, not the target
-        return super().checkpoint_rename(name)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

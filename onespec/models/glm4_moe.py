@@ -13,7 +13,6 @@ served by models/deepseek_v3.py.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -22,8 +21,8 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
 from onespec.models.deepseek_v3 import DeepseekMoE
-from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import PagedCausalLM, mlp_step
+from onespec.models.llama import MLP, Attention, DecoderConfig, check_architecture
+from onespec.models.moe import MoeDecoderLayer, MtpCausalLM
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
 DEFAULT_PARTIAL_ROTARY = 0.5     # transformers' default for GLM-4 MoE configs without one
@@ -45,9 +44,7 @@ class Glm4MoeConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Glm4MoeConfig":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a GLM-4 MoE config: architectures {archs!r}")
+        archs = check_architecture(cfg, ARCHITECTURES, "GLM-4 MoE")
         base = DecoderConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
         source = getattr(cfg, "source", "config.json")
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
@@ -105,7 +102,7 @@ class PartialRotary(RotaryEmbedding):
         return torch.cat([q_rot, q[..., d:]], -1), torch.cat([k_rot, k[..., d:]], -1)
 
 
-class Glm4MoeDecoderLayer(torch.nn.Module):
+class Glm4MoeDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -115,38 +112,11 @@ class Glm4MoeDecoderLayer(torch.nn.Module):
             MLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
         self.ops = ops
 
-    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-                last: bool = False):
-        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
-        or None), x the input norm the layer before left (or None)."""
-        ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
-        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
-        add_norm = ops.add_norm if isinstance(self.mlp, MLP) else ops.add_full_norm
-        h, x = add_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
-        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
-
-class Glm4MoeForCausalLM(PagedCausalLM):
+class Glm4MoeForCausalLM(MtpCausalLM):
     config_class = Glm4MoeConfig
-
-    def __init__(self, cfg: Glm4MoeConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__(cfg, lambda i: Glm4MoeDecoderLayer(cfg, i, ops), ops)
-
-    def setup_rotary(self, max_positions: int, device):
-        self.rotary = self.make_rotary(max_positions, device)
+    layer_class = Glm4MoeDecoderLayer
 
     def make_rotary(self, max_positions: int, device) -> PartialRotary:
         c = self.config
         return PartialRotary(c.rotary_dim, max_positions, c.rope_theta, c.rope_scaling, device)
-
-    def make_decoder_layer(self, layer_idx: int) -> Glm4MoeDecoderLayer:
-        """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
-        return Glm4MoeDecoderLayer(self.config, layer_idx, self.ops)
-
-    def checkpoint_rename(self, name: str) -> str | None:
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m and int(m.group(1)) >= self.config.num_hidden_layers:
-            return None          # MTP layers: read by the MTP drafter, not the target
-        return super().checkpoint_rename(name)

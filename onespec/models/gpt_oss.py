@@ -34,8 +34,9 @@ from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import check_rope
 from onespec.models.deepseek_v3 import MLARotary
-from onespec.models.llama import Attention, DecoderConfig, check_field_types
-from onespec.models.moe import GATHER_MAX_PAIRS, PagedCausalLM, Router, mlp_step
+from onespec.models.llama import Attention, DecoderConfig, check_architecture, \
+    check_field_types
+from onespec.models.moe import GATHER_MAX_PAIRS, MoeDecoderLayer, PagedCausalLM, Router
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 ROPE_TYPES = ("default", "yarn")
@@ -70,9 +71,7 @@ class GptOssConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "GptOssConfig":
         source = getattr(cfg, "source", "config.json")
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a gpt-oss config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "gpt-oss")
         check_field_types(cfg, source)
         plain = {k: v for k, v in cfg.items()
                  if k not in ("rope_scaling", "rope_parameters", "sliding_window")}
@@ -261,7 +260,7 @@ class GptOssMoE(nn.Module):
         return out, None if next_norm is None else ops.norm(next_norm, out)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: GptOssConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -269,17 +268,6 @@ class GptOssDecoderLayer(nn.Module):
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMoE(cfg, ops)
         self.ops = ops
-
-    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-                last: bool = False):
-        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
-        or None), x the input norm the layer before left (or None)."""
-        ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
-        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
-        h, x = ops.add_full_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
-        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class GptOssForCausalLM(PagedCausalLM):

@@ -103,6 +103,17 @@ POSITIVE_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window")
 
 
+def check_architecture(cfg: dict, architectures, family: str, source: str | None = None
+                       ) -> list[str]:
+    """The config's `architectures`; a ValueError naming the family (and the file, where
+    `source` is given) where none of them is one of `architectures`."""
+    archs = cfg.get("architectures") or []
+    if not any(a in architectures for a in archs):
+        where = f"{source}: " if source else ""
+        raise ValueError(f"{where}not a {family} config: architectures {archs!r}")
+    return archs
+
+
 def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
     """A ValueError naming the file and the first field the decoder reads whose JSON type or
     sign is wrong (a field that is absent or null is left to the defaults)."""
@@ -130,6 +141,27 @@ def check_field_types(cfg: dict, source: str, int_fields=POSITIVE_INT_FIELDS):
     if not all(is_int(t) and t >= 0 for t in eos_list):
         bad("eos_token_id", "a token id or a list of token ids")
 
+
+
+class SeparateProjAttention(nn.Module):
+    """The projections of a GQA layer whose checkpoint keeps q_proj, k_proj, v_proj and
+    o_proj apart (models/qwen3_next.py GatedAttention, models/nemotron_h.py NoPEAttention),
+    over the paged KV cache; q_proj has `q_outputs` x Hq·D rows (2: query and gate)."""
+
+    def __init__(self, cfg: DecoderConfig, ops: TorchOps = TORCH_OPS, q_outputs: int = 1):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_outputs * self.q_size, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
+        self.ops = ops
 
 
 class Attention(nn.Module):

@@ -17,6 +17,7 @@ the routed pairs (kernels/moe.py): no host sync, fixed shapes, graph-capturable.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +28,7 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.models.llama import run_decoder
+from onespec.models.llama import MLP, run_decoder
 from onespec.quant.fp8 import FP8, KeepsQuantized, dequantize
 
 GATHER_MAX_PAIRS = 16     # (token, expert) pairs up to which experts' weights are gathered
@@ -156,6 +157,24 @@ class Float32Router(nn.Module):
         return super()._apply(keep_float32, recurse)
 
 
+class SoftmaxMoe(nn.Module):
+    """The routed part of the Qwen MoE blocks (models/qwen3_moe.py SparseMoeBlock,
+    models/qwen3_next.py SharedExpertMoe): a linear router `gate`, softmax top-k routing,
+    the stacked experts."""
+
+    def __init__(self, cfg, ops: TorchOps = TORCH_OPS):
+        super().__init__()
+        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
+                             norm_topk_prob=cfg.norm_topk_prob)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               ops)
+
+    def routed(self, x, residual=None):
+        """x [T, H] -> the routed experts' sum [T, H] (plus residual where given)."""
+        return self.experts(x, F.linear(x, self.gate.weight), self.router, None, residual)
+
+
 def mlp_step(mlp: nn.Module, ops: TorchOps, x, h: torch.Tensor,
              next_norm: RMSNorm | None, last: bool):
     """A decoder layer's MLP (dense models/llama.py MLP, or an MoE block) on its input norm
@@ -166,6 +185,25 @@ def mlp_step(mlp: nn.Module, ops: TorchOps, x, h: torch.Tensor,
         return mlp(x, h, next_norm, last)
     h = h + mlp(x)
     return h, None if next_norm is None else ops.norm(next_norm, h)
+
+
+class MoeDecoderLayer(nn.Module):
+    """The decoder layer of the GQA MoE targets: input norm, attention (returning o_proj's
+    input), post-attention norm, then an MoE block or a dense MLP through mlp_step.
+    Subclasses build input_layernorm, self_attn, post_attention_layernorm, mlp and ops."""
+
+    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
+                last: bool = False):
+        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
+        or None), x the input norm the layer before left (or None)."""
+        ops = self.ops
+        if x is None:
+            x = ops.norm(self.input_layernorm, h)
+        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
+        # a dense MLP's GEMVs take the norm begun; the router and experts need it whole
+        add_norm = ops.add_norm if isinstance(self.mlp, MLP) else ops.add_full_norm
+        h, x = add_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
+        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class DecoderStack(nn.Module):
@@ -218,3 +256,31 @@ class PagedCausalLM(nn.Module):
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return None
         return name
+
+
+class MtpCausalLM(PagedCausalLM):
+    """A PagedCausalLM whose checkpoint stores MTP layers after the target's (DeepSeek-V3,
+    GLM-4 MoE): `layer_class(cfg, layer_idx, ops)` builds a decoder block, for the target
+    and for models/mtp.py (make_decoder_layer); make_rotary builds the rotary table for
+    both; the MTP layers' checkpoint keys are left to the MTP drafter."""
+
+    layer_class: type = None
+
+    def __init__(self, cfg, ops: TorchOps = TORCH_OPS):
+        super().__init__(cfg, lambda i: self.layer_class(cfg, i, ops), ops)
+
+    def setup_rotary(self, max_positions: int, device):
+        self.rotary = self.make_rotary(max_positions, device)
+
+    def make_rotary(self, max_positions: int, device):
+        raise NotImplementedError
+
+    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
+        """A decoder block as layer `layer_idx` of the checkpoint has (MTP layers too)."""
+        return self.layer_class(self.config, layer_idx, self.ops)
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= self.config.num_hidden_layers:
+            return None          # MTP layers: read by the MTP drafter, not the target
+        return super().checkpoint_rename(name)

@@ -38,8 +38,9 @@ from torch import nn
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, mamba2_chunked, mamba2_scan
-from onespec.models.llama import DecoderConfig, check_field_types
+from onespec.layers.recurrent import RecurrentMixer, mamba2_chunked, mamba2_scan
+from onespec.models.llama import DecoderConfig, SeparateProjAttention, check_architecture, \
+    check_field_types
 from onespec.models.moe import Float32Router, Router
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -73,9 +74,7 @@ class NemotronHConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict) -> "NemotronHConfig":
         source = getattr(cfg, "source", "config.json")
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"{source}: not a Nemotron-H config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "Nemotron-H", source)
         check_field_types(cfg, source)
         types = cfg.get("layers_block_type") or cfg.get("layer_types")
         pattern = cfg.get("hybrid_override_pattern")
@@ -144,16 +143,8 @@ class NemotronHConfig(DecoderConfig):
         return cls(**base, **own)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """The Mamba2 mixer, its conv and SSM states in the state pool (state_shapes)."""
-
-    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
-    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
-    # them in Triton's interpreter)
-    verify_kernel: bool | None = None
-    # prompt chunks run the block-parallel form (layers/recurrent.py mamba2_chunked)
-    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
-    prefill_chunk: int = 64
 
     def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
@@ -194,50 +185,23 @@ class Mamba2Mixer(nn.Module):
             [self.inner, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -self.A_log.float().exp()
-        weight = self.conv1d.weight.squeeze(1)
         gn = self.n_groups * self.state_size
         y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
-        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
-        for rows, reqs, snap, keep_all in rb.segments():
-            init = rb.initial(self.states, reqs)
-            n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
-            mixed, conv_s = causal_conv(xbc[rows].view(n, length, -1), init["conv"], weight,
-                                        keep_all, self.conv1d.bias)
+
+        def args_of(mixed, rows, n, length):
             xs, b, c = mixed.split([self.inner, gn, gn], dim=-1)
-            args = (xs.reshape(n, length, self.num_heads, self.head_dim),
+            return (xs.reshape(n, length, self.num_heads, self.head_dim),
                     dt[rows].view(n, length, -1), a, b.reshape(n, length, self.n_groups, -1),
                     c.reshape(n, length, self.n_groups, -1), self.D)
-            if not keep_all and self.prefill_chunk:
-                out, ssm_s = mamba2_chunked(*args, init["ssm"], self.prefill_chunk)
-            elif use_kernel:
-                from onespec.kernels.recurrent import mamba2_verify
-                idx = rb.select(reqs)
-                out, ssm_s = mamba2_verify(*args, self.states["ssm"], rb.slots[idx],
-                                           rb.fresh[idx], keep_all)
-            else:
-                out, ssm_s = mamba2_scan(*args, init["ssm"], keep_all)
+
+        for rows, out in self.recur(rb, xbc, self.conv1d.bias, args_of, mamba2_chunked,
+                                    mamba2_scan, "mamba2_verify"):
             y[rows] = out.reshape(-1, self.inner)
-            rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         return self.ops.linear(self.out_proj, self.gated_norm(y, z).to(x.dtype))
 
 
-class NoPEAttention(nn.Module):
+class NoPEAttention(SeparateProjAttention):
     """GQA attention without positional encoding over the paged KV cache."""
-
-    def __init__(self, cfg: NemotronHConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
-        self.scale = self.head_dim ** -0.5
-        self.k_cache = self.v_cache = None
-        self.ops = ops
 
     def forward(self, x, meta: AttentionMetadata):
         t, lin = x.shape[0], self.ops.linear

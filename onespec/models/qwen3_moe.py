@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-import torch.nn.functional as F
-from torch import nn
-
 from onespec.layers.norm import RMSNorm
 from onespec.layers.ops import TORCH_OPS, TorchOps
 from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import MLP, Attention, DecoderConfig
-from onespec.models.moe import Experts, PagedCausalLM, Router, mlp_step
+from onespec.models.llama import MLP, Attention, DecoderConfig, check_architecture
+from onespec.models.moe import MoeDecoderLayer, PagedCausalLM, SoftmaxMoe
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -30,9 +27,7 @@ class Qwen3MoeConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3MoeConfig":
-        archs = cfg.get("architectures") or []
-        if not any(a in ARCHITECTURES for a in archs):
-            raise ValueError(f"not a Qwen3-MoE config: architectures {archs!r}")
+        check_architecture(cfg, ARCHITECTURES, "Qwen3-MoE")
         base = DecoderConfig.from_hf({**cfg, "architectures": ["Qwen3ForCausalLM"]})
         try:
             return cls(**{f.name: getattr(base, f.name) for f in fields(DecoderConfig)},
@@ -51,27 +46,19 @@ class Qwen3MoeConfig(DecoderConfig):
                 and (i + 1) % self.decoder_sparse_step == 0)
 
 
-class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
-                             norm_topk_prob=cfg.norm_topk_prob)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                               ops)
-
+class SparseMoeBlock(SoftmaxMoe):
     takes_residual = True    # forward(x, residual, ...); off when split over ranks
 
     def forward(self, x, residual=None, next_norm: RMSNorm | None = None, last: bool = False):
         """x [T, H] -> [T, H]; with a residual: (residual + that, next_norm of it or None),
         the residual added where the experts' pairs are summed."""
-        out = self.experts(x, F.linear(x, self.gate.weight), self.router, None, residual)
+        out = self.routed(x, residual)
         if residual is None:
             return out
         return out, None if next_norm is None else self.experts.ops.norm(next_norm, out)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, ops: TorchOps = TORCH_OPS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,19 +67,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, ops) if cfg.is_moe_layer(layer_idx) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
         self.ops = ops
-
-    def forward(self, h, x, positions, rotary, meta, next_norm: RMSNorm | None = None,
-                last: bool = False):
-        """As DecoderLayer.forward in models/llama.py: (h after the layer, next_norm of it
-        or None), x the input norm the layer before left (or None)."""
-        ops = self.ops
-        if x is None:
-            x = ops.norm(self.input_layernorm, h)
-        out = self.self_attn(x, positions, rotary, meta)                     # [T, Hq·D]
-        # a dense MLP's GEMVs take the norm begun; the router and experts need it whole
-        add_norm = ops.add_norm if isinstance(self.mlp, MLP) else ops.add_full_norm
-        h, x = add_norm(self.self_attn.o_proj, out, h, self.post_attention_layernorm)
-        return mlp_step(self.mlp, ops, x, h, next_norm, last)
 
 
 class Qwen3MoeForCausalLM(PagedCausalLM):

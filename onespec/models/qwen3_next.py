@@ -42,10 +42,10 @@ from torch import nn
 
 from onespec.layers.attention import AttentionMetadata
 from onespec.layers.ops import TORCH_OPS, TorchOps
-from onespec.layers.recurrent import causal_conv, gated_delta_chunked, gated_delta_scan
+from onespec.layers.recurrent import RecurrentMixer, gated_delta_chunked, gated_delta_scan
 from onespec.layers.rotary import RotaryEmbedding
-from onespec.models.llama import MLP, DecoderConfig, check_field_types
-from onespec.models.moe import Experts, PagedCausalLM, Router
+from onespec.models.llama import MLP, DecoderConfig, SeparateProjAttention, check_field_types
+from onespec.models.moe import PagedCausalLM, SoftmaxMoe
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                  "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -166,26 +166,14 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(SeparateProjAttention):
     """Full attention with an output gate, per-head q/k norm and partial rotary."""
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        super().__init__(cfg, ops, q_outputs=2)       # q_proj: query and gate per head
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_dim = cfg.rotary_dim
-        self.scale = self.head_dim ** -0.5
-        self.k_cache = self.v_cache = None    # [num_slots, Hkv, D], set by the KV pool
-        self.ops = ops
 
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata):
         """x [T, H] (normed) -> o_proj(attention * sigmoid(gate)) [T, H]; writes this
@@ -205,17 +193,9 @@ class GatedAttention(nn.Module):
         return lin(self.o_proj, out)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Linear attention by the gated delta rule, with its conv and recurrent state held in
     the state pool (state_shapes; engine/state_pool.py allocates `states`, `snapshots`)."""
-
-    # the recurrence through kernels/recurrent.py's Triton launches (verify rows, and
-    # prompt chunks when prefill_chunk is 0): None = on CUDA (tests set True to run
-    # them in Triton's interpreter)
-    verify_kernel: bool | None = None
-    # prompt chunks run the block-parallel form (layers/recurrent.py gated_delta_chunked)
-    # in blocks of this many rows, on every device; 0 = row by row, as verify rows
-    prefill_chunk: int = 64
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
         super().__init__()
@@ -273,48 +253,32 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.project(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        weight = self.conv1d.weight.squeeze(1)                               # [C, W]
         core = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim)
-        use_kernel = x.is_cuda if self.verify_kernel is None else self.verify_kernel
-        for rows, reqs, snap, keep_all in rb.segments():
-            init = rb.initial(self.states, reqs)
-            n, length = len(reqs), (rows.stop - rows.start) // len(reqs)
-            mixed, conv_s = causal_conv(qkv[rows].view(n, length, -1), init["conv"], weight,
-                                        keep_all)
+
+        def args_of(mixed, rows, n, length):
             q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            args = (q.reshape(n, length, self.num_k_heads, self.head_k_dim),
+            return (q.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     k.reshape(n, length, self.num_k_heads, self.head_k_dim),
                     v.reshape(n, length, self.num_v_heads, self.head_v_dim),
                     g[rows].view(n, length, -1), beta[rows].view(n, length, -1))
-            if not keep_all and self.prefill_chunk:
-                o, ssm_s = gated_delta_chunked(*args, init["ssm"], self.prefill_chunk)
-            elif use_kernel:
-                from onespec.kernels.recurrent import gated_delta_verify
-                idx = rb.select(reqs)
-                o, ssm_s = gated_delta_verify(*args, self.states["ssm"], rb.slots[idx],
-                                              rb.fresh[idx], keep_all)
-            else:
-                o, ssm_s = gated_delta_scan(*args, init["ssm"], keep_all)
+
+        for rows, o in self.recur(rb, qkv, None, args_of, gated_delta_chunked,
+                                  gated_delta_scan, "gated_delta_verify"):
             core[rows] = o.reshape(-1, self.num_v_heads, self.head_v_dim).to(x.dtype)
-            rb.save(self.snapshots, snap, {"conv": conv_s, "ssm": ssm_s})
         out = self.norm(core, z).reshape(x.shape[0], self.value_dim)
         return self.ops.linear(self.out_proj, out)
 
 
-class SharedExpertMoe(nn.Module):
+class SharedExpertMoe(SoftmaxMoe):
     """Softmax top-k routed experts plus one shared expert gated by a sigmoid."""
 
     def __init__(self, cfg: HybridConfig, ops: TorchOps = TORCH_OPS):
-        super().__init__()
-        self.router = Router(cfg.num_experts_per_tok, sigmoid=False,
-                             norm_topk_prob=cfg.norm_topk_prob)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops)
+        super().__init__(cfg, ops)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops=ops)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
-        routed = self.experts(x, F.linear(x, self.gate.weight), self.router)
+        routed = self.routed(x)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
 

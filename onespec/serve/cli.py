@@ -161,14 +161,9 @@ def main(argv=None) -> int:
 def _follow_rank(args) -> int:
     """A rank other than 0 of a torchrun launch: builds its shard and runs rank 0's steps;
     the process ends (SystemExit) when rank 0 stops (distributed/launch.py)."""
-    from onespec.cli import build_llm
+    from onespec.cli import build_llm, run_or_report
     configure_logging(args.log_level)
-    try:
-        build_llm(args)
-    except (ValueError, OSError) as e:
-        print(f"onespec serve: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_or_report("serve", build_llm, args)
 
 
 def _load_and_serve(args, listener: socket.socket, limits: ServerLimits) -> int:
